@@ -1,0 +1,99 @@
+//! The thin layer between the component model and [`crate::machine`]:
+//! the exports call the machine with an [`Env`] backed by the imports.
+
+use alloc::string::String;
+use alloc::vec::Vec;
+
+use crate::bindings::exports::idem::engine::engine::{
+    BeginRequest, Completion, Decision, Disposition, EngineError, Extension, Guest, KeyStatus,
+    Policy, ReconcileReport, Ticket,
+};
+use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
+use crate::bindings::idem::engine::types::{Failure, RecordKey, StoredRecord, Success, Timestamp};
+use crate::bindings::idem::engine::{clock, results, store};
+use crate::machine::{self, Env};
+
+/// The engine's environment inside a component: every call is an import.
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+struct Imports;
+
+impl Env for Imports {
+    fn now(&self) -> Timestamp {
+        clock::now()
+    }
+    fn pause(&self, duration_ms: u64) {
+        clock::pause(duration_ms)
+    }
+    fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
+        store::insert_if_absent(candidate)
+    }
+    fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
+        store::get(key)
+    }
+    fn compare_and_swap(
+        &self,
+        expected_revision: u64,
+        replacement: &StoredRecord,
+    ) -> Result<SwapOutcome, StoreError> {
+        store::compare_and_swap(expected_revision, replacement)
+    }
+    fn delete_expired(&self, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
+        store::delete_expired(now, limit)
+    }
+    fn list_stale(
+        &self,
+        biz_type: &str,
+        now: Timestamp,
+        limit: u32,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        store::list_stale(biz_type, now, limit)
+    }
+    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
+        results::find_result(key)
+    }
+}
+
+/// The exported `engine` interface. Natively it is compiled (and linted)
+/// but not exported: native symbol names cannot hold WIT's `:` and `@`.
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+struct Component;
+
+impl Guest for Component {
+    fn begin(request: BeginRequest) -> Result<Decision, EngineError> {
+        machine::begin(&Imports, &request)
+    }
+    fn complete(
+        ticket: Ticket,
+        policy: Policy,
+        success: Success,
+    ) -> Result<Completion, EngineError> {
+        machine::complete(&Imports, &ticket, &policy, &success)
+    }
+    fn fail(
+        ticket: Ticket,
+        policy: Policy,
+        failure: Failure,
+        disposition: Disposition,
+    ) -> Result<Completion, EngineError> {
+        machine::fail(&Imports, &ticket, &policy, &failure, disposition)
+    }
+    fn extend(ticket: Ticket, policy: Policy) -> Result<Extension, EngineError> {
+        machine::extend(&Imports, &ticket, &policy)
+    }
+    fn reconcile(
+        biz_type: String,
+        policy: Policy,
+        limit: u32,
+    ) -> Result<ReconcileReport, EngineError> {
+        machine::reconcile(&Imports, &biz_type, &policy, limit)
+    }
+    fn sweep(limit: u32) -> Result<u32, EngineError> {
+        machine::sweep(&Imports, limit)
+    }
+    fn inspect(key: RecordKey) -> Result<Option<KeyStatus>, EngineError> {
+        machine::inspect(&Imports, &key)
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+crate::bindings::export!(Component with_types_in crate::bindings);

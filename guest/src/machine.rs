@@ -1,0 +1,720 @@
+//! The record state machine: every decision idem makes.
+//!
+//! The logic is plain Rust over the [`Env`] trait, so unit tests run it
+//! natively against an in-memory environment; `component.rs` binds `Env` to
+//! the component's imports.
+//!
+//! States and transitions (`*` marks a write through compare-and-swap
+//! guarded by the record's revision; the claim of an absent key goes through
+//! `insert-if-absent`, decided by the store's unique index):
+//!
+//! ```text
+//!   (absent | expired) --begin--> processing(token t)           execute
+//!   processing --complete(t)-->* succeeded                       replay
+//!   processing --fail(t, final)-->* failed                       failed
+//!   processing --fail(t, retryable)-->* released                 execute again
+//!   processing --fail(t, outcome-unknown)-->* outcome-unknown    blocked
+//!   processing, lease live --begin--> (no write)                 in-progress
+//!   processing, lease over --begin, take-over-->* processing(t+1)
+//!   processing, lease over --begin, reconcile-->* processing(t+1), then
+//!        found: * succeeded (replay); not found: execute as t+1
+//!   processing, lease over --begin, manual--> (no write)         outcome-unknown
+//!   released --begin (same fingerprint)-->* processing(t+1)      execute
+//!   succeeded | failed | released, expired --begin-->* processing(t+1)
+//!   processing(lease over) | outcome-unknown --reconcile-->* processing(t+1)
+//!        found: * succeeded; not found: * released, or * outcome-unknown (manual)
+//! ```
+//!
+//! A different fingerprint on a live record is a mismatch, whatever its
+//! state. Every other combination is impossible and reported as `corrupt`.
+
+use alloc::boxed::Box;
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+
+use crate::bindings::exports::idem::engine::engine::{
+    BeginRequest, Busy, Completion, Decision, Disposition, EngineError, ExpiredLease, Extension,
+    FailureMode, InProgressMode, KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed,
+    Ticket, UnknownInfo,
+};
+use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
+use crate::bindings::idem::engine::types::{
+    Failure, RecordKey, Status, StoredRecord, Success, Timestamp,
+};
+use crate::fingerprint::{FINGERPRINT_VERSION, fingerprint};
+use crate::validate;
+
+/// How many times one call re-reads and retries after another writer changed
+/// the record under it. Each retry means another writer made progress, so a
+/// small bound suffices; past it the caller is told to retry later.
+pub const MAX_CONTENTION_ROUNDS: u32 = 16;
+
+/// How many hex digits of the stored fingerprint a mismatch reveals: enough
+/// to tell two payloads apart in a log, far too few to learn anything.
+pub const MISMATCH_PREFIX_DIGITS: usize = 8;
+
+/// What the engine needs from its host: the `store`, `clock` and `results`
+/// imports.
+pub trait Env {
+    /// `clock.now`.
+    fn now(&self) -> Timestamp;
+    /// `clock.pause`.
+    fn pause(&self, duration_ms: u64);
+    /// `store.insert-if-absent`.
+    fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError>;
+    /// `store.get`.
+    fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError>;
+    /// `store.compare-and-swap`.
+    fn compare_and_swap(
+        &self,
+        expected_revision: u64,
+        replacement: &StoredRecord,
+    ) -> Result<SwapOutcome, StoreError>;
+    /// `store.delete-expired`.
+    fn delete_expired(&self, now: Timestamp, limit: u32) -> Result<u32, StoreError>;
+    /// `store.list-stale`.
+    fn list_stale(
+        &self,
+        biz_type: &str,
+        now: Timestamp,
+        limit: u32,
+    ) -> Result<Vec<StoredRecord>, StoreError>;
+    /// `results.find-result`.
+    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError>;
+}
+
+fn store(e: StoreError) -> EngineError {
+    EngineError::Store(e)
+}
+
+fn corrupt(rec: &StoredRecord, why: &str) -> EngineError {
+    EngineError::Corrupt(format!(
+        "record {} ({} / {}): {}",
+        rec.id, rec.key.biz_type, rec.key.scope, why
+    ))
+}
+
+fn same_key(a: &RecordKey, b: &RecordKey) -> bool {
+    a.scope == b.scope && a.biz_type == b.biz_type && a.idem_key == b.idem_key
+}
+
+/// Checks the invariants every stored record must hold. A record that
+/// breaks one was not written by this engine: fail loudly.
+pub fn check_record(rec: &StoredRecord, key: &RecordKey) -> Result<(), EngineError> {
+    if !same_key(&rec.key, key) {
+        return Err(corrupt(rec, "the store returned a record for another key"));
+    }
+    if rec.fencing_token == 0 || rec.revision == 0 || rec.attempts == 0 {
+        return Err(corrupt(
+            rec,
+            "fencing token, revision and attempts start at 1",
+        ));
+    }
+    if rec.fingerprint.len() != 64 || !rec.fingerprint.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(corrupt(rec, "the fingerprint is not 64 hex digits"));
+    }
+    let ok = match rec.status {
+        Status::Processing => rec.lease_until.is_some() && rec.expires_at.is_none(),
+        Status::Succeeded => {
+            rec.expires_at.is_some() && rec.lease_until.is_none() && rec.failure.is_none()
+        }
+        Status::Failed => {
+            rec.expires_at.is_some() && rec.lease_until.is_none() && rec.failure.is_some()
+        }
+        Status::Released => rec.expires_at.is_some() && rec.lease_until.is_none(),
+        Status::OutcomeUnknown => rec.lease_until.is_none() && rec.expires_at.is_none(),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(corrupt(
+            rec,
+            "its lease, expiry and outcome fields do not fit its status",
+        ))
+    }
+}
+
+fn is_settled(status: Status) -> bool {
+    matches!(
+        status,
+        Status::Succeeded | Status::Failed | Status::Released
+    )
+}
+
+/// True when a settled record has passed its retention and counts as absent.
+pub fn is_expired(rec: &StoredRecord, now: Timestamp) -> bool {
+    is_settled(rec.status) && rec.expires_at.is_some_and(|at| at <= now)
+}
+
+/// True while the owner's lease is live: until, not including, its end.
+pub fn lease_live(rec: &StoredRecord, now: Timestamp) -> bool {
+    rec.lease_until.is_some_and(|until| now < until)
+}
+
+fn ticket(rec: &StoredRecord) -> Ticket {
+    Ticket {
+        key: rec.key.clone(),
+        record_id: rec.id,
+        fencing_token: rec.fencing_token,
+        lease_until: rec.lease_until.unwrap_or(0),
+        attempt: rec.attempts,
+    }
+}
+
+fn next_token(rec: &StoredRecord) -> Result<u64, EngineError> {
+    rec.fencing_token
+        .checked_add(1)
+        .ok_or_else(|| corrupt(rec, "the fencing token cannot grow any further"))
+}
+
+fn next_revision(rec: &StoredRecord) -> Result<u64, EngineError> {
+    rec.revision
+        .checked_add(1)
+        .ok_or_else(|| corrupt(rec, "the revision cannot grow any further"))
+}
+
+/// The same record, written again: next revision, `updated-at` now.
+fn rewrite(rec: &StoredRecord, now: Timestamp) -> Result<StoredRecord, EngineError> {
+    let mut next = rec.clone();
+    next.revision = next_revision(rec)?;
+    next.updated_at = now;
+    Ok(next)
+}
+
+/// The record handed to a new owner: processing, next fencing token, a
+/// fresh lease and nothing settled.
+fn owned_by_next(
+    rec: &StoredRecord,
+    now: Timestamp,
+    lease_ms: u64,
+    count_attempt: bool,
+) -> Result<StoredRecord, EngineError> {
+    let mut next = rewrite(rec, now)?;
+    next.status = Status::Processing;
+    next.fencing_token = next_token(rec)?;
+    next.lease_until = Some(now.saturating_add(lease_ms));
+    next.expires_at = None;
+    if count_attempt {
+        next.attempts = rec.attempts.saturating_add(1);
+    }
+    Ok(next)
+}
+
+fn fresh(key: &RecordKey, fp: &str, now: Timestamp, policy: &Policy) -> StoredRecord {
+    StoredRecord {
+        id: 0,
+        key: key.clone(),
+        fingerprint: fp.into(),
+        fingerprint_version: FINGERPRINT_VERSION,
+        status: Status::Processing,
+        fencing_token: 1,
+        revision: 1,
+        attempts: 1,
+        lease_until: Some(now.saturating_add(policy.lease_ms)),
+        created_at: now,
+        updated_at: now,
+        expires_at: None,
+        result_ref: None,
+        response: None,
+        failure: None,
+    }
+}
+
+/// A record past retention, replaced in place by a new first attempt. The
+/// fencing token keeps growing so that no ticket of the old life matches.
+fn replacement(
+    rec: &StoredRecord,
+    fp: &str,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<StoredRecord, EngineError> {
+    let mut next = fresh(&rec.key, fp, now, policy);
+    next.id = rec.id;
+    next.fencing_token = next_token(rec)?;
+    next.revision = next_revision(rec)?;
+    Ok(next)
+}
+
+fn busy(rec: &StoredRecord, now: Timestamp, policy: &Policy) -> Busy {
+    let lease_until = rec.lease_until.unwrap_or(now);
+    let left = lease_until.saturating_sub(now);
+    Busy {
+        retry_after_ms: left.clamp(1, policy.retry_after_ms.max(1)),
+        lease_until,
+    }
+}
+
+fn replayed(rec: &StoredRecord) -> Replayed {
+    Replayed {
+        result_ref: rec.result_ref.clone(),
+        response: rec.response.clone(),
+        completed_at: rec.updated_at,
+    }
+}
+
+fn unknown(rec: &StoredRecord, since: Timestamp) -> UnknownInfo {
+    UnknownInfo {
+        since,
+        attempts: rec.attempts,
+        failure: rec.failure.clone(),
+    }
+}
+
+/// What the stored record means for a new request.
+enum Assessment {
+    /// Answer with this decision; nothing to write.
+    Answer(Decision),
+    /// Another owner is live.
+    Busy(Busy),
+    /// Write this record with compare-and-swap; on success the caller owns
+    /// the key. With `reconcile_first`, ask the host for the result first.
+    Claim {
+        next: Box<StoredRecord>,
+        reconcile_first: bool,
+    },
+}
+
+fn assess(
+    rec: &StoredRecord,
+    fp: &str,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<Assessment, EngineError> {
+    if is_expired(rec, now) {
+        return Ok(Assessment::Claim {
+            next: Box::new(replacement(rec, fp, now, policy)?),
+            reconcile_first: false,
+        });
+    }
+    if rec.fingerprint != fp || rec.fingerprint_version != FINGERPRINT_VERSION {
+        let prefix = rec
+            .fingerprint
+            .get(..MISMATCH_PREFIX_DIGITS)
+            .unwrap_or_default();
+        return Ok(Assessment::Answer(Decision::Mismatch(MismatchInfo {
+            stored_prefix: prefix.into(),
+            stored_version: rec.fingerprint_version,
+        })));
+    }
+    Ok(match rec.status {
+        Status::Succeeded => Assessment::Answer(Decision::Replay(replayed(rec))),
+        Status::Failed => match &rec.failure {
+            Some(f) => Assessment::Answer(Decision::Failed(f.clone())),
+            None => return Err(corrupt(rec, "failed without a failure")),
+        },
+        Status::OutcomeUnknown => {
+            Assessment::Answer(Decision::OutcomeUnknown(unknown(rec, rec.updated_at)))
+        }
+        Status::Released => Assessment::Claim {
+            next: Box::new(owned_by_next(rec, now, policy.lease_ms, true)?),
+            reconcile_first: false,
+        },
+        Status::Processing if lease_live(rec, now) => Assessment::Busy(busy(rec, now, policy)),
+        Status::Processing => match policy.expired_lease {
+            ExpiredLease::TakeOver => Assessment::Claim {
+                next: Box::new(owned_by_next(rec, now, policy.lease_ms, true)?),
+                reconcile_first: false,
+            },
+            ExpiredLease::Reconcile => Assessment::Claim {
+                next: Box::new(owned_by_next(rec, now, policy.lease_ms, true)?),
+                reconcile_first: true,
+            },
+            ExpiredLease::Manual => {
+                let since = rec.lease_until.unwrap_or(rec.updated_at);
+                Assessment::Answer(Decision::OutcomeUnknown(unknown(rec, since)))
+            }
+        },
+    })
+}
+
+/// `engine.begin`.
+pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError> {
+    if let Err(invalid) = validate::begin(req) {
+        return Ok(Decision::Invalid(invalid));
+    }
+    let policy = &req.policy;
+    let fp = match fingerprint(
+        &req.attributes,
+        req.body_kind,
+        &req.body,
+        &policy.fingerprint_fields,
+    ) {
+        Ok(fp) => fp,
+        Err(invalid) => return Ok(Decision::Invalid(invalid)),
+    };
+    let key = &req.key;
+    let started = env.now();
+    let wait_until = match policy.in_progress {
+        InProgressMode::Wait(w) => Some(started.saturating_add(w.max_wait_ms)),
+        InProgressMode::Reject => None,
+    };
+    // Read first: a replay then costs one read and no write lock.
+    let mut current = env.get(key).map_err(store)?;
+    let mut contention = 0;
+    loop {
+        let now = env.now();
+        let rec = match current.take() {
+            Some(rec) => rec,
+            None => match env
+                .insert_if_absent(&fresh(key, &fp, now, policy))
+                .map_err(store)?
+            {
+                InsertOutcome::Inserted(rec) => {
+                    check_record(&rec, key)?;
+                    return Ok(Decision::Execute(ticket(&rec)));
+                }
+                InsertOutcome::Existing(rec) => rec,
+            },
+        };
+        check_record(&rec, key)?;
+        match assess(&rec, &fp, now, policy)? {
+            Assessment::Answer(decision) => return Ok(decision),
+            Assessment::Busy(b) => {
+                let (Some(until), InProgressMode::Wait(w)) = (wait_until, policy.in_progress)
+                else {
+                    return Ok(Decision::InProgress(b));
+                };
+                if now >= until {
+                    return Ok(Decision::InProgress(b));
+                }
+                env.pause(w.poll_interval_ms.min(until - now).max(1));
+                current = env.get(key).map_err(store)?;
+            }
+            Assessment::Claim {
+                next,
+                reconcile_first,
+            } => match env.compare_and_swap(rec.revision, &next).map_err(store)? {
+                SwapOutcome::Swapped if reconcile_first => {
+                    return settle_after_takeover(env, *next, now, policy);
+                }
+                SwapOutcome::Swapped => return Ok(Decision::Execute(ticket(&next))),
+                SwapOutcome::Stale(now_stored) => {
+                    contention += 1;
+                    if contention >= MAX_CONTENTION_ROUNDS {
+                        return Ok(Decision::InProgress(Busy {
+                            retry_after_ms: policy.retry_after_ms.max(1),
+                            lease_until: now,
+                        }));
+                    }
+                    current = now_stored;
+                }
+            },
+        }
+    }
+}
+
+/// The caller has taken over an abandoned key under policy `reconcile`: ask
+/// whether the business result exists before executing again.
+fn settle_after_takeover(
+    env: &impl Env,
+    owned: StoredRecord,
+    now: Timestamp,
+    policy: &Policy,
+) -> Result<Decision, EngineError> {
+    match env.find_result(&owned.key).map_err(store)? {
+        None => Ok(Decision::Execute(ticket(&owned))),
+        Some(result_ref) => {
+            let done = succeeded(&owned, now, policy, Some(result_ref), None)?;
+            match env.compare_and_swap(owned.revision, &done).map_err(store)? {
+                SwapOutcome::Swapped => Ok(Decision::Replay(replayed(&done))),
+                // Someone overtook us within our own fresh lease: only a
+                // clock far out of step can do that. Answer busy; the next
+                // request sees what they wrote.
+                SwapOutcome::Stale(_) => Ok(Decision::InProgress(Busy {
+                    retry_after_ms: policy.retry_after_ms.max(1),
+                    lease_until: owned.lease_until.unwrap_or(now),
+                })),
+            }
+        }
+    }
+}
+
+fn succeeded(
+    rec: &StoredRecord,
+    now: Timestamp,
+    policy: &Policy,
+    result_ref: Option<String>,
+    response: Option<crate::bindings::idem::engine::types::StoredResponse>,
+) -> Result<StoredRecord, EngineError> {
+    let mut next = rewrite(rec, now)?;
+    next.status = Status::Succeeded;
+    next.lease_until = None;
+    next.expires_at = Some(now.saturating_add(policy.retention_ms));
+    next.result_ref = result_ref;
+    next.response = response;
+    next.failure = None;
+    Ok(next)
+}
+
+/// Where a ticket stands against the stored record.
+enum Ownership {
+    /// The ticket is current and the record is processing.
+    Owner(Box<StoredRecord>),
+    /// The ticket's own outcome is already stored (a retried call).
+    AlreadyRecorded,
+    /// Someone else owns the key now, or the record is gone.
+    Lost,
+}
+
+fn ownership(
+    t: &Ticket,
+    current: Option<StoredRecord>,
+    already: impl Fn(&StoredRecord) -> bool,
+) -> Result<Ownership, EngineError> {
+    let Some(rec) = current else {
+        return Ok(Ownership::Lost);
+    };
+    check_record(&rec, &t.key)?;
+    if rec.id != t.record_id || rec.fencing_token != t.fencing_token {
+        return Ok(Ownership::Lost);
+    }
+    if rec.status == Status::Processing {
+        return Ok(Ownership::Owner(Box::new(rec)));
+    }
+    if already(&rec) {
+        Ok(Ownership::AlreadyRecorded)
+    } else {
+        Ok(Ownership::Lost)
+    }
+}
+
+fn validate_ticket(t: &Ticket, policy: &Policy) -> Result<(), EngineError> {
+    validate::policy(policy).map_err(EngineError::Invalid)?;
+    validate::record_key(&t.key, &policy.key_format).map_err(EngineError::Invalid)
+}
+
+/// Writes the owner's outcome: reads the record, checks the ticket, swaps.
+/// `settle` builds the settled record; `already` recognises an identical
+/// outcome stored by an earlier try of this same call.
+fn settle(
+    env: &impl Env,
+    t: &Ticket,
+    settle: impl Fn(&StoredRecord, Timestamp) -> Result<StoredRecord, EngineError>,
+    already: impl Fn(&StoredRecord) -> bool,
+) -> Result<Completion, EngineError> {
+    let mut current = env.get(&t.key).map_err(store)?;
+    for _ in 0..MAX_CONTENTION_ROUNDS {
+        let rec = match ownership(t, current.take(), &already)? {
+            Ownership::Owner(rec) => rec,
+            Ownership::AlreadyRecorded => return Ok(Completion::Recorded),
+            Ownership::Lost => return Ok(Completion::LostOwnership),
+        };
+        let next = settle(&rec, env.now())?;
+        match env.compare_and_swap(rec.revision, &next).map_err(store)? {
+            SwapOutcome::Swapped => return Ok(Completion::Recorded),
+            SwapOutcome::Stale(now_stored) => current = now_stored,
+        }
+    }
+    Err(EngineError::Store(StoreError::Unavailable(format!(
+        "the record changed {MAX_CONTENTION_ROUNDS} times during one call; retry"
+    ))))
+}
+
+/// `engine.complete`.
+pub fn complete(
+    env: &impl Env,
+    t: &Ticket,
+    policy: &Policy,
+    success: &Success,
+) -> Result<Completion, EngineError> {
+    validate_ticket(t, policy)?;
+    validate::success(success).map_err(EngineError::Invalid)?;
+    settle(
+        env,
+        t,
+        |rec, now| {
+            succeeded(
+                rec,
+                now,
+                policy,
+                success.result_ref.clone(),
+                success.response.clone(),
+            )
+        },
+        |rec| {
+            rec.status == Status::Succeeded
+                && rec.result_ref == success.result_ref
+                && rec.response == success.response
+        },
+    )
+}
+
+/// The stored meaning of a failure under the policy.
+pub fn effective_disposition(policy: &Policy, disposition: Disposition) -> Disposition {
+    match (policy.failure_mode, disposition) {
+        (FailureMode::AlwaysFinal, Disposition::Retryable) => Disposition::Final,
+        (_, d) => d,
+    }
+}
+
+/// `engine.fail`.
+pub fn fail(
+    env: &impl Env,
+    t: &Ticket,
+    policy: &Policy,
+    failure: &Failure,
+    disposition: Disposition,
+) -> Result<Completion, EngineError> {
+    validate_ticket(t, policy)?;
+    validate::failure(failure).map_err(EngineError::Invalid)?;
+    let disposition = effective_disposition(policy, disposition);
+    let status = match disposition {
+        Disposition::Retryable => Status::Released,
+        Disposition::Final => Status::Failed,
+        Disposition::OutcomeUnknown => Status::OutcomeUnknown,
+    };
+    settle(
+        env,
+        t,
+        |rec, now| {
+            let mut next = rewrite(rec, now)?;
+            next.status = status;
+            next.lease_until = None;
+            next.result_ref = None;
+            next.failure = Some(failure.clone());
+            next.response = match disposition {
+                Disposition::Final => failure.response.clone(),
+                _ => None,
+            };
+            next.expires_at = match disposition {
+                Disposition::OutcomeUnknown => None,
+                _ => Some(now.saturating_add(policy.retention_ms)),
+            };
+            Ok(next)
+        },
+        |rec| rec.status == status && rec.failure.as_ref() == Some(failure),
+    )
+}
+
+/// `engine.extend`.
+pub fn extend(env: &impl Env, t: &Ticket, policy: &Policy) -> Result<Extension, EngineError> {
+    validate_ticket(t, policy)?;
+    let mut current = env.get(&t.key).map_err(store)?;
+    for _ in 0..MAX_CONTENTION_ROUNDS {
+        let rec = match ownership(t, current.take(), |_| false)? {
+            Ownership::Owner(rec) => rec,
+            Ownership::AlreadyRecorded | Ownership::Lost => return Ok(Extension::LostOwnership),
+        };
+        let now = env.now();
+        let mut next = rewrite(&rec, now)?;
+        let until = now.saturating_add(policy.lease_ms);
+        // A heartbeat never shortens a lease.
+        next.lease_until = Some(until.max(rec.lease_until.unwrap_or(0)));
+        match env.compare_and_swap(rec.revision, &next).map_err(store)? {
+            SwapOutcome::Swapped => return Ok(Extension::Extended(until)),
+            SwapOutcome::Stale(now_stored) => current = now_stored,
+        }
+    }
+    Err(EngineError::Store(StoreError::Unavailable(format!(
+        "the record changed {MAX_CONTENTION_ROUNDS} times during one call; retry"
+    ))))
+}
+
+/// `engine.reconcile`.
+pub fn reconcile(
+    env: &impl Env,
+    biz_type: &str,
+    policy: &Policy,
+    limit: u32,
+) -> Result<ReconcileReport, EngineError> {
+    validate::policy(policy).map_err(EngineError::Invalid)?;
+    validate::biz_type(biz_type).map_err(EngineError::Invalid)?;
+    let mut report = ReconcileReport {
+        examined: 0,
+        succeeded: 0,
+        released: 0,
+        left_for_manual: 0,
+        skipped: 0,
+        lookup_errors: 0,
+    };
+    let now = env.now();
+    for rec in env.list_stale(biz_type, now, limit).map_err(store)? {
+        if rec.key.biz_type != biz_type {
+            return Err(corrupt(&rec, "list-stale returned another biz type"));
+        }
+        check_record(&rec, &rec.key)?;
+        let stale = match rec.status {
+            Status::Processing => !lease_live(&rec, now),
+            Status::OutcomeUnknown => true,
+            _ => false,
+        };
+        if !stale {
+            return Err(corrupt(
+                &rec,
+                "list-stale returned a record that is not stale",
+            ));
+        }
+        report.examined += 1;
+        // Take the key over first, so that no other reconciler or request
+        // acts on it while the host is asked.
+        let owned = owned_by_next(&rec, now, policy.lease_ms, false)?;
+        if let SwapOutcome::Stale(_) = env.compare_and_swap(rec.revision, &owned).map_err(store)? {
+            report.skipped += 1;
+            continue;
+        }
+        let next = match env.find_result(&rec.key) {
+            Ok(Some(result_ref)) => {
+                report.succeeded += 1;
+                succeeded(&owned, now, policy, Some(result_ref), None)?
+            }
+            Ok(None) if policy.expired_lease == ExpiredLease::Manual => {
+                report.left_for_manual += 1;
+                let mut next = rewrite(&owned, now)?;
+                next.status = Status::OutcomeUnknown;
+                next.lease_until = None;
+                next
+            }
+            Ok(None) => {
+                report.released += 1;
+                let mut next = rewrite(&owned, now)?;
+                next.status = Status::Released;
+                next.lease_until = None;
+                next.expires_at = Some(now.saturating_add(policy.retention_ms));
+                next
+            }
+            Err(_) => {
+                // Put the record back as it was, under the new token, so
+                // that it stays stale and is examined again next time.
+                report.lookup_errors += 1;
+                let mut next = rewrite(&owned, now)?;
+                next.status = rec.status;
+                next.lease_until = rec.lease_until;
+                next
+            }
+        };
+        if let SwapOutcome::Stale(_) = env.compare_and_swap(owned.revision, &next).map_err(store)? {
+            report.skipped += 1;
+        }
+    }
+    Ok(report)
+}
+
+/// `engine.sweep`.
+pub fn sweep(env: &impl Env, limit: u32) -> Result<u32, EngineError> {
+    let now = env.now();
+    env.delete_expired(now, limit).map_err(store)
+}
+
+/// `engine.inspect`.
+pub fn inspect(env: &impl Env, key: &RecordKey) -> Result<Option<KeyStatus>, EngineError> {
+    validate::record_key(key, &validate::default_key_format()).map_err(EngineError::Invalid)?;
+    let Some(rec) = env.get(key).map_err(store)? else {
+        return Ok(None);
+    };
+    check_record(&rec, key)?;
+    let now = env.now();
+    Ok(Some(KeyStatus {
+        status: rec.status,
+        created_at: rec.created_at,
+        updated_at: rec.updated_at,
+        expires_at: rec.expires_at,
+        lease_until: rec.lease_until,
+        result_ref: rec.result_ref.clone(),
+        attempts: rec.attempts,
+        fencing_token: rec.fencing_token,
+        fingerprint: rec.fingerprint.clone(),
+        fingerprint_version: rec.fingerprint_version,
+        expired: is_expired(&rec, now),
+    }))
+}

@@ -1,0 +1,558 @@
+//! The engine: loads the guest component once and calls it with a store, a
+//! clock and a result lookup. Every decision comes from the guest; this
+//! module only carries data across the boundary.
+
+use std::any::Any;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use wasmtime::component::{Component, HasSelf, Linker};
+
+use crate::api::{
+    BeginRequest, Completion, Decision, Disposition, Extension, InvalidInput, KeyStatus, Policy,
+    ReconcileReport, Ticket,
+};
+use crate::bindings::{self, Conv, wit_engine, wit_store, wit_types};
+use crate::clock::{Clock, SystemClock};
+use crate::store::{SqliteStore, Storage, StoreError};
+use crate::types::{Failure, RecordKey, Success, Timestamp};
+
+/// The guest component built from `guest/` by `build.rs`.
+pub const DEFAULT_GUEST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/idem_guest.wasm"));
+
+/// Errors from the engine API.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The store failed; the key is as the store left it.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A stored record is in a state the engine cannot produce.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+    /// The input broke a rule; nothing was written.
+    #[error("invalid input: {0}")]
+    Invalid(InvalidInput),
+    /// The guest trapped (a bug, or a resource limit). The instance was
+    /// discarded; every store write is atomic, so nothing is half-written.
+    #[error("the engine component trapped: {0}")]
+    Trap(String),
+    /// The component could not be loaded or does not fit idem's world.
+    #[error("cannot load the engine component: {0}")]
+    Load(String),
+    /// `run_in_transaction` needs the engine to be built on a SQLite store.
+    #[error("the engine's storage is not SQLite; business transactions need SqliteStore")]
+    NotSqlite,
+}
+
+impl From<wit_engine::EngineError> for Error {
+    fn from(e: wit_engine::EngineError) -> Self {
+        match e {
+            wit_engine::EngineError::Store(e) => Error::Store(e.conv()),
+            wit_engine::EngineError::Corrupt(m) => Error::Corrupt(m),
+            wit_engine::EngineError::Invalid(i) => Error::Invalid(i.conv()),
+        }
+    }
+}
+
+/// The engine's `results` import: does the business result exist?
+///
+/// Implementations MUST return an error, never `None`, when they cannot
+/// tell: `None` lets the engine execute the action again.
+pub trait ResultLookup: Send + Sync + 'static {
+    /// The reference of the business result recorded under `key`.
+    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError>;
+}
+
+impl<F> ResultLookup for F
+where
+    F: Fn(&RecordKey) -> Result<Option<String>, StoreError> + Send + Sync + 'static,
+{
+    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
+        self(key)
+    }
+}
+
+/// The lookup used when none is registered: it cannot tell, so it says so.
+struct NoLookup;
+
+impl ResultLookup for NoLookup {
+    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
+        Err(StoreError::Internal(format!(
+            "no result lookup is registered, so the result of biz type '{}' cannot be checked",
+            key.biz_type
+        )))
+    }
+}
+
+/// What the guest's imports reach: one per wasmtime store.
+struct HostState {
+    storage: Arc<dyn Storage>,
+    clock: Arc<dyn Clock>,
+    results: Arc<dyn ResultLookup>,
+}
+
+impl bindings::idem::engine::types::Host for HostState {}
+
+impl wit_store::Host for HostState {
+    fn insert_if_absent(
+        &mut self,
+        candidate: wit_types::StoredRecord,
+    ) -> Result<wit_store::InsertOutcome, wit_store::StoreError> {
+        self.storage.insert_if_absent(&candidate.conv()).conv()
+    }
+
+    fn get(
+        &mut self,
+        key: wit_types::RecordKey,
+    ) -> Result<Option<wit_types::StoredRecord>, wit_store::StoreError> {
+        self.storage.get(&key.conv()).conv()
+    }
+
+    fn compare_and_swap(
+        &mut self,
+        expected_revision: u64,
+        replacement: wit_types::StoredRecord,
+    ) -> Result<wit_store::SwapOutcome, wit_store::StoreError> {
+        self.storage
+            .compare_and_swap(expected_revision, &replacement.conv())
+            .conv()
+    }
+
+    fn delete_expired(&mut self, now: u64, limit: u32) -> Result<u32, wit_store::StoreError> {
+        self.storage.delete_expired(now, limit).conv()
+    }
+
+    fn list_stale(
+        &mut self,
+        biz_type: String,
+        now: u64,
+        limit: u32,
+    ) -> Result<Vec<wit_types::StoredRecord>, wit_store::StoreError> {
+        self.storage.list_stale(&biz_type, now, limit).conv()
+    }
+}
+
+impl bindings::idem::engine::clock::Host for HostState {
+    fn now(&mut self) -> Timestamp {
+        self.clock.now()
+    }
+
+    fn pause(&mut self, duration: u64) {
+        self.clock.pause(duration)
+    }
+}
+
+impl bindings::idem::engine::results::Host for HostState {
+    fn find_result(
+        &mut self,
+        key: wit_types::RecordKey,
+    ) -> Result<Option<String>, wit_store::StoreError> {
+        self.results.find_result(&key.conv()).conv()
+    }
+}
+
+/// A compiled component, ready to instantiate.
+struct Loaded {
+    engine: wasmtime::Engine,
+    pre: bindings::IdemPre<HostState>,
+}
+
+fn load(engine: &wasmtime::Engine, wasm: &[u8]) -> Result<bindings::IdemPre<HostState>, Error> {
+    let component = Component::new(engine, wasm).map_err(|e| Error::Load(format!("{e:#}")))?;
+    let mut linker = Linker::<HostState>::new(engine);
+    bindings::Idem::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+        .map_err(|e| Error::Load(format!("{e:#}")))?;
+    let pre = linker
+        .instantiate_pre(&component)
+        .map_err(|e| Error::Load(format!("{e:#}")))?;
+    bindings::IdemPre::new(pre).map_err(|e| Error::Load(format!("{e:#}")))
+}
+
+/// The default guest, compiled once per process and shared by every engine.
+fn default_loaded() -> Result<Loaded, Error> {
+    static DEFAULT: OnceLock<Result<Loaded, String>> = OnceLock::new();
+    let loaded = DEFAULT.get_or_init(|| {
+        let engine = wasmtime::Engine::default();
+        let pre = load(&engine, DEFAULT_GUEST).map_err(|e| e.to_string())?;
+        Ok(Loaded { engine, pre })
+    });
+    match loaded {
+        Ok(l) => Ok(Loaded {
+            engine: l.engine.clone(),
+            pre: l.pre.clone(),
+        }),
+        Err(e) => Err(Error::Load(e.clone())),
+    }
+}
+
+/// One instance of the guest with its wasmtime store.
+struct Instance {
+    store: wasmtime::Store<HostState>,
+    idem: bindings::Idem,
+}
+
+struct Shared {
+    loaded: Loaded,
+    storage: Arc<dyn Storage>,
+    sqlite: Option<SqliteStore>,
+    clock: Arc<dyn Clock>,
+    results: Arc<dyn ResultLookup>,
+    /// Idle instances, reused across calls; an instance that trapped is
+    /// never put back.
+    idle: Mutex<Vec<Instance>>,
+}
+
+/// Builds an [`Engine`].
+pub struct EngineBuilder {
+    storage: Option<Arc<dyn Storage>>,
+    sqlite: Option<SqliteStore>,
+    clock: Arc<dyn Clock>,
+    results: Arc<dyn ResultLookup>,
+    guest: Option<Vec<u8>>,
+}
+
+impl EngineBuilder {
+    /// The storage backend. Required.
+    pub fn storage<S: Storage>(mut self, storage: S) -> Self {
+        self.sqlite = (&storage as &dyn Any)
+            .downcast_ref::<SqliteStore>()
+            .cloned();
+        self.storage = Some(Arc::new(storage));
+        self
+    }
+
+    /// The clock; the system clock by default.
+    pub fn clock<C: Clock>(mut self, clock: C) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The business-result lookup used by reconciliation. Without one,
+    /// reconciliation reports that it cannot tell.
+    pub fn results<R: ResultLookup>(mut self, results: R) -> Self {
+        self.results = Arc::new(results);
+        self
+    }
+
+    /// Runs this component instead of the embedded default guest.
+    pub fn guest_bytes(mut self, wasm: impl Into<Vec<u8>>) -> Self {
+        self.guest = Some(wasm.into());
+        self
+    }
+
+    /// Runs the component in this `.wasm` file instead of the default guest.
+    pub fn guest_file(self, path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref();
+        let wasm = std::fs::read(path)
+            .map_err(|e| Error::Load(format!("cannot read {}: {e}", path.display())))?;
+        Ok(self.guest_bytes(wasm))
+    }
+
+    /// Compiles (or reuses) the component and checks that it fits idem's
+    /// world: a missing or mismatched import or export fails here.
+    pub fn build(self) -> Result<Engine, Error> {
+        let storage = self
+            .storage
+            .ok_or_else(|| Error::Load("no storage was given to the engine builder".into()))?;
+        let loaded = match self.guest {
+            None => default_loaded()?,
+            Some(wasm) => {
+                let engine = wasmtime::Engine::default();
+                let pre = load(&engine, &wasm)?;
+                Loaded { engine, pre }
+            }
+        };
+        Ok(Engine {
+            shared: Arc::new(Shared {
+                loaded,
+                storage,
+                sqlite: self.sqlite,
+                clock: self.clock,
+                results: self.results,
+                idle: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+}
+
+/// How a business action ended, for [`Engine::run`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ActionResult {
+    /// The action succeeded.
+    Succeeded(Success),
+    /// The action failed, with what that means for the key.
+    Failed(Failure, Disposition),
+}
+
+/// What [`Engine::run`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunOutcome {
+    /// The action ran once and its outcome is stored.
+    Executed {
+        /// The ownership the action ran under.
+        ticket: Ticket,
+        /// What the action reported.
+        result: ActionResult,
+    },
+    /// The action ran, but a newer owner took the key over before the
+    /// outcome could be stored; the outcome was discarded (and, inside a
+    /// business transaction, rolled back).
+    LostOwnership {
+        /// The ownership the action ran under.
+        ticket: Ticket,
+    },
+    /// The action did not run; the decision says why.
+    NotExecuted(Decision),
+}
+
+/// The idempotency engine. Cheap to clone and safe to share across threads.
+#[derive(Clone)]
+pub struct Engine {
+    shared: Arc<Shared>,
+}
+
+impl Engine {
+    /// A builder with the system clock and the default guest.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder {
+            storage: None,
+            sqlite: None,
+            clock: Arc::new(SystemClock::new()),
+            results: Arc::new(NoLookup),
+            guest: None,
+        }
+    }
+
+    /// The clock the engine reads.
+    pub fn clock(&self) -> &dyn Clock {
+        &*self.shared.clock
+    }
+
+    /// The names of the component's imports, as `interface#function`-free
+    /// instance names (e.g. `idem:engine/store@0.1.0`).
+    pub fn component_imports(&self) -> Vec<String> {
+        let engine = &self.shared.loaded.engine;
+        let component = self.shared.loaded.pre.instance_pre().component();
+        component
+            .component_type()
+            .imports(engine)
+            .map(|(name, _)| name.to_string())
+            .collect()
+    }
+
+    fn instance(&self) -> Result<Instance, Error> {
+        let idle = self
+            .shared
+            .idle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .pop();
+        if let Some(inst) = idle {
+            return Ok(inst);
+        }
+        let state = HostState {
+            storage: self.shared.storage.clone(),
+            clock: self.shared.clock.clone(),
+            results: self.shared.results.clone(),
+        };
+        let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
+        let idem = self
+            .shared
+            .loaded
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| Error::Trap(format!("instantiation failed: {e:#}")))?;
+        Ok(Instance { store, idem })
+    }
+
+    /// Runs one export call on an idle instance, with `storage` in place of
+    /// the engine's own for this call only. Traps discard the instance.
+    fn call<R>(
+        &self,
+        storage: Option<Arc<dyn Storage>>,
+        f: impl FnOnce(
+            &wit_engine::Guest,
+            &mut wasmtime::Store<HostState>,
+        ) -> wasmtime::Result<Result<R, wit_engine::EngineError>>,
+    ) -> Result<R, Error> {
+        let mut inst = self.instance()?;
+        if let Some(storage) = storage {
+            inst.store.data_mut().storage = storage;
+        }
+        let outcome = f(inst.idem.idem_engine_engine(), &mut inst.store);
+        inst.store.data_mut().storage = self.shared.storage.clone();
+        match outcome {
+            Ok(answer) => {
+                self.shared
+                    .idle
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .push(inst);
+                answer.map_err(Error::from)
+            }
+            Err(trap) => Err(Error::Trap(format!("{trap:#}"))),
+        }
+    }
+
+    /// Decides what to do with a request (`engine.begin`).
+    pub fn begin(&self, request: &BeginRequest) -> Result<Decision, Error> {
+        let request: wit_engine::BeginRequest = request.clone().conv();
+        self.call(None, |g, s| g.call_begin(s, &request))
+            .map(Conv::conv)
+    }
+
+    /// Stores the success of the action owned by `ticket`.
+    pub fn complete(
+        &self,
+        ticket: &Ticket,
+        policy: &Policy,
+        success: &Success,
+    ) -> Result<Completion, Error> {
+        self.complete_on(None, ticket, policy, success)
+    }
+
+    fn complete_on(
+        &self,
+        storage: Option<Arc<dyn Storage>>,
+        ticket: &Ticket,
+        policy: &Policy,
+        success: &Success,
+    ) -> Result<Completion, Error> {
+        let (t, p, s) = (
+            ticket.clone().conv(),
+            policy.clone().conv(),
+            success.clone().conv(),
+        );
+        self.call(storage, |g, st| g.call_complete(st, &t, &p, &s))
+            .map(Conv::conv)
+    }
+
+    /// Stores the failure of the action owned by `ticket`.
+    pub fn fail(
+        &self,
+        ticket: &Ticket,
+        policy: &Policy,
+        failure: &Failure,
+        disposition: Disposition,
+    ) -> Result<Completion, Error> {
+        let (t, p, f, d) = (
+            ticket.clone().conv(),
+            policy.clone().conv(),
+            failure.clone().conv(),
+            disposition.conv(),
+        );
+        self.call(None, |g, st| g.call_fail(st, &t, &p, &f, d))
+            .map(Conv::conv)
+    }
+
+    /// Extends the lease of `ticket` (a heartbeat).
+    pub fn extend(&self, ticket: &Ticket, policy: &Policy) -> Result<Extension, Error> {
+        let (t, p) = (ticket.clone().conv(), policy.clone().conv());
+        self.call(None, |g, st| g.call_extend(st, &t, &p))
+            .map(Conv::conv)
+    }
+
+    /// Settles up to `limit` stale records of `biz_type`.
+    pub fn reconcile(
+        &self,
+        biz_type: &str,
+        policy: &Policy,
+        limit: u32,
+    ) -> Result<ReconcileReport, Error> {
+        let p = policy.clone().conv();
+        self.call(None, |g, st| g.call_reconcile(st, biz_type, &p, limit))
+            .map(Conv::conv)
+    }
+
+    /// Deletes up to `limit` settled records past retention.
+    pub fn sweep(&self, limit: u32) -> Result<u32, Error> {
+        self.call(None, |g, st| g.call_sweep(st, limit))
+    }
+
+    /// The status of one key.
+    pub fn inspect(&self, key: &RecordKey) -> Result<Option<KeyStatus>, Error> {
+        let k = key.clone().conv();
+        self.call(None, |g, st| g.call_inspect(st, &k))
+            .map(Conv::conv)
+    }
+
+    /// Runs `action` at most once per key: begins, runs the action only on
+    /// `execute`, then stores its outcome. The gap between the action and
+    /// the stored outcome is covered by the lease and by reconciliation;
+    /// with SQLite business data, [`Engine::run_in_transaction`] closes it.
+    pub fn run(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket) -> ActionResult,
+    ) -> Result<RunOutcome, Error> {
+        let ticket = match self.begin(request)? {
+            Decision::Execute(ticket) => ticket,
+            other => return Ok(RunOutcome::NotExecuted(other)),
+        };
+        let result = action(&ticket);
+        let completion = match &result {
+            ActionResult::Succeeded(success) => self.complete(&ticket, &request.policy, success)?,
+            ActionResult::Failed(failure, disposition) => {
+                self.fail(&ticket, &request.policy, failure, *disposition)?
+            }
+        };
+        Ok(match completion {
+            Completion::Recorded => RunOutcome::Executed { ticket, result },
+            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
+        })
+    }
+
+    /// Like [`Engine::run`], for business data in the engine's own SQLite
+    /// database: the action's writes and the transition to succeeded commit
+    /// in one transaction, so "business written, status not updated" cannot
+    /// happen. If ownership was lost meanwhile, the action's writes are
+    /// rolled back. A failed action's writes are rolled back too, and the
+    /// failure is stored as its disposition says.
+    pub fn run_in_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &rusqlite::Connection) -> ActionResult,
+    ) -> Result<RunOutcome, Error> {
+        let sqlite = self.shared.sqlite.as_ref().ok_or(Error::NotSqlite)?;
+        let ticket = match self.begin(request)? {
+            Decision::Execute(ticket) => ticket,
+            other => return Ok(RunOutcome::NotExecuted(other)),
+        };
+        let tx = Arc::new(sqlite.begin_transaction()?);
+        let result = tx.with_connection(|conn| action(&ticket, conn))?;
+        let completion = match &result {
+            ActionResult::Succeeded(success) => {
+                let storage: Arc<dyn Storage> = tx.clone();
+                let completion = self.complete_on(Some(storage), &ticket, &request.policy, success);
+                let tx = Arc::into_inner(tx).ok_or_else(|| {
+                    Error::Corrupt("the business transaction is still shared".into())
+                })?;
+                match completion {
+                    Ok(Completion::Recorded) => {
+                        tx.commit()?;
+                        Completion::Recorded
+                    }
+                    Ok(Completion::LostOwnership) => {
+                        tx.rollback()?;
+                        Completion::LostOwnership
+                    }
+                    Err(e) => {
+                        tx.rollback()?;
+                        return Err(e);
+                    }
+                }
+            }
+            ActionResult::Failed(failure, disposition) => {
+                let tx = Arc::into_inner(tx).ok_or_else(|| {
+                    Error::Corrupt("the business transaction is still shared".into())
+                })?;
+                tx.rollback()?;
+                self.fail(&ticket, &request.policy, failure, *disposition)?
+            }
+        };
+        Ok(match completion {
+            Completion::Recorded => RunOutcome::Executed { ticket, result },
+            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
+        })
+    }
+}

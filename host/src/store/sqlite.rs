@@ -1,0 +1,984 @@
+//! The durable SQLite backend.
+//!
+//! One database file, opened in WAL mode by a small pool of connections. The
+//! unique constraint on `(scope_key, biz_type, idem_key)` decides every
+//! insert race, across threads and across processes that open the same file.
+//!
+//! Every operation is written once, as a function over a
+//! [`rusqlite::Connection`]. [`SqliteStore`] runs it on a pooled connection,
+//! wrapped in `BEGIN IMMEDIATE … COMMIT` where it reads and then writes;
+//! [`SqliteTransaction`] runs the same function inside a transaction that the
+//! caller controls, so that a business write and the record's transition
+//! commit together.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rusqlite::types::FromSql;
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, ToSql, TransactionBehavior};
+
+use super::{Storage, StoreError};
+use crate::types::{
+    Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
+};
+
+/// The schema, one entry per version. Entry `i` moves the database from
+/// `user_version = i` to `user_version = i + 1`. Entries are never edited
+/// once released; changes are new entries.
+const MIGRATIONS: &[&str] = &[
+    // Version 1: the record table and the indexes behind the sweeper and the
+    // reconciliation scan.
+    "CREATE TABLE idempotency_record (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        scope_key TEXT NOT NULL,
+        biz_type TEXT NOT NULL,
+        idem_key TEXT NOT NULL,
+        request_hash TEXT NOT NULL,
+        fingerprint_version INTEGER NOT NULL,
+        status TEXT NOT NULL CHECK (status IN
+            ('processing', 'succeeded', 'failed', 'released', 'outcome-unknown')),
+        fencing_token INTEGER NOT NULL,
+        revision INTEGER NOT NULL,
+        attempts INTEGER NOT NULL,
+        lease_until INTEGER,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        expires_at INTEGER,
+        result_ref TEXT,
+        response BLOB,
+        failure BLOB,
+        UNIQUE (scope_key, biz_type, idem_key)
+    );
+    CREATE INDEX idempotency_record_sweep
+        ON idempotency_record (expires_at)
+        WHERE status IN ('succeeded', 'failed', 'released');
+    CREATE INDEX idempotency_record_stale_processing
+        ON idempotency_record (biz_type, lease_until)
+        WHERE status = 'processing';
+    CREATE INDEX idempotency_record_outcome_unknown
+        ON idempotency_record (biz_type, updated_at)
+        WHERE status = 'outcome-unknown';",
+];
+
+/// The record columns in the order [`decode_row`] reads them.
+macro_rules! columns {
+    () => {
+        "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, \
+         fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, \
+         result_ref, response, failure"
+    };
+}
+
+/// Names of the columns in [`columns!`], for error messages.
+const COLUMN_NAMES: [&str; 17] = [
+    "id",
+    "scope_key",
+    "biz_type",
+    "idem_key",
+    "request_hash",
+    "fingerprint_version",
+    "status",
+    "fencing_token",
+    "revision",
+    "attempts",
+    "lease_until",
+    "created_at",
+    "updated_at",
+    "expires_at",
+    "result_ref",
+    "response",
+    "failure",
+];
+
+const SQL_INSERT: &str = "INSERT INTO idempotency_record (
+        scope_key, biz_type, idem_key, request_hash, fingerprint_version, status,
+        fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at,
+        result_ref, response, failure)
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)
+    ON CONFLICT (scope_key, biz_type, idem_key) DO NOTHING
+    RETURNING id";
+
+const SQL_GET: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_record WHERE scope_key = ?1 AND biz_type = ?2 AND idem_key = ?3"
+);
+
+// The key columns are not written: the WHERE clause already pins them to the
+// replacement's values.
+const SQL_SWAP: &str = "UPDATE idempotency_record SET
+        request_hash = ?4, fingerprint_version = ?5, status = ?6, fencing_token = ?7,
+        revision = ?8, attempts = ?9, lease_until = ?10, created_at = ?11, updated_at = ?12,
+        expires_at = ?13, result_ref = ?14, response = ?15, failure = ?16
+    WHERE scope_key = ?1 AND biz_type = ?2 AND idem_key = ?3 AND revision = ?17";
+
+pub(super) const SQL_DELETE_EXPIRED: &str = "DELETE FROM idempotency_record WHERE id IN (
+        SELECT id FROM idempotency_record
+        WHERE status IN ('succeeded', 'failed', 'released') AND expires_at <= ?1
+        ORDER BY expires_at, id
+        LIMIT ?2)";
+
+pub(super) const SQL_LIST_STALE: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_record
+        WHERE biz_type = ?1 AND status = 'processing' AND lease_until <= ?2
+    UNION ALL
+    SELECT ",
+    columns!(),
+    " FROM idempotency_record
+        WHERE biz_type = ?1 AND status = 'outcome-unknown'
+    ORDER BY updated_at, id
+    LIMIT ?3"
+);
+
+const SQL_COUNT_BY_STATUS: &str = "SELECT status, COUNT(*) FROM idempotency_record GROUP BY status";
+
+/// The shortest wait for a pooled connection, whatever the busy timeout:
+/// opening a connection (or replacing a discarded one) takes a few
+/// milliseconds, and r2d2 refuses a zero timeout.
+const MIN_POOL_WAIT: Duration = Duration::from_millis(250);
+
+/// How hard SQLite works to make a commit durable (`PRAGMA synchronous`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// `synchronous = NORMAL`: in WAL mode a commit survives a crash of the
+    /// process but the last commits may be lost on power failure or an
+    /// operating-system crash. The database is never corrupted.
+    #[default]
+    Normal,
+    /// `synchronous = FULL`: every commit is flushed to stable storage
+    /// before it returns; it survives power failure too. Slower.
+    Full,
+}
+
+impl Synchronous {
+    fn pragma(self) -> &'static str {
+        match self {
+            Synchronous::Normal => "PRAGMA synchronous = NORMAL",
+            Synchronous::Full => "PRAGMA synchronous = FULL",
+        }
+    }
+}
+
+/// Settings for [`SqliteStore::open`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SqliteOptions {
+    /// How many connections the pool keeps open. Default 8: SQLite has a
+    /// single writer, so more connections only help concurrent readers,
+    /// and 8 covers the reads of a typical thread pool without holding
+    /// many file descriptors. Must be at least 1.
+    pub pool_size: u32,
+    /// How long a statement waits for another connection's write lock
+    /// before it fails with [`StoreError::Unavailable`]; also how long an
+    /// operation waits for a free pooled connection (at least 250 ms, time
+    /// enough to open a replacement connection). Default 5 s: long
+    /// enough to ride out a burst of writers or a checkpoint, short enough
+    /// that a wedged writer surfaces as an error instead of a hang. Must be
+    /// below 2^31 milliseconds (about 24 days).
+    pub busy_timeout: Duration,
+    /// The durability of each commit. Default [`Synchronous::Normal`]: in
+    /// WAL mode it never corrupts the database and costs no fsync per
+    /// commit; choose [`Synchronous::Full`] when losing the last commits on
+    /// power failure is not acceptable (for example when the business
+    /// effect lives outside this database and cannot be rolled back with
+    /// it).
+    pub synchronous: Synchronous,
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        Self {
+            pool_size: 8,
+            busy_timeout: Duration::from_secs(5),
+            synchronous: Synchronous::Normal,
+        }
+    }
+}
+
+impl SqliteOptions {
+    fn validate(&self) -> Result<(), StoreError> {
+        if self.pool_size == 0 {
+            return Err(StoreError::Rejected(
+                "SqliteOptions::pool_size must be at least 1".to_owned(),
+            ));
+        }
+        if i32::try_from(self.busy_timeout.as_millis()).is_err() {
+            return Err(StoreError::Rejected(format!(
+                "SqliteOptions::busy_timeout of {:?} is longer than SQLite accepts ({} ms)",
+                self.busy_timeout,
+                i32::MAX
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Maps a SQLite error onto the store contract.
+///
+/// Lock contention (`SQLITE_BUSY`, `SQLITE_LOCKED`, `SQLITE_PROTOCOL`), I/O
+/// failures, a full disk and files that cannot be opened are
+/// [`StoreError::Unavailable`]: the store may answer later, and whether a
+/// write took effect is unknown. Constraint violations and values that are too
+/// big are [`StoreError::Rejected`]. Everything else is
+/// [`StoreError::Internal`].
+///
+/// Business code running inside [`SqliteTransaction::with_connection`] can
+/// use it to report its own errors in the same terms.
+pub fn map_err(e: rusqlite::Error) -> StoreError {
+    let code = match &e {
+        rusqlite::Error::SqliteFailure(err, _) => Some(err.code),
+        rusqlite::Error::SqlInputError { error, .. } => Some(error.code),
+        _ => None,
+    };
+    match code {
+        Some(
+            ErrorCode::DatabaseBusy
+            | ErrorCode::DatabaseLocked
+            | ErrorCode::FileLockingProtocolFailed
+            | ErrorCode::SystemIoFailure
+            | ErrorCode::DiskFull
+            | ErrorCode::CannotOpen,
+        ) => StoreError::Unavailable(format!("sqlite: {e}")),
+        Some(ErrorCode::ConstraintViolation | ErrorCode::TooBig) => {
+            StoreError::Rejected(format!("sqlite: {e}"))
+        }
+        _ => StoreError::Internal(format!("sqlite: {e}")),
+    }
+}
+
+/// Maps a pool error: r2d2 reports only that no connection became free (or
+/// could be opened) in time.
+fn map_pool_err(e: r2d2::Error) -> StoreError {
+    StoreError::Unavailable(format!("sqlite connection pool: {e}"))
+}
+
+/// Opens connections to one database file with the store's pragmas.
+#[derive(Debug)]
+struct ConnectionManager {
+    path: PathBuf,
+    busy_timeout: Duration,
+    synchronous: Synchronous,
+}
+
+impl ConnectionManager {
+    fn open(&self) -> rusqlite::Result<Connection> {
+        // No SQLITE_OPEN_URI: a path is always a file name, never a URI.
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(&self.path, flags)?;
+        // The busy timeout first, so that the pragmas below wait for locks
+        // held by other connections instead of failing.
+        conn.busy_timeout(self.busy_timeout)?;
+        let mode = self.enable_wal(&conn)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_MISUSE),
+                Some(format!(
+                    "journal_mode=WAL was not accepted (the database stays in {mode} mode); \
+                     the store needs a database file on a local file system"
+                )),
+            ));
+        }
+        conn.execute_batch(self.synchronous.pragma())?;
+        conn.execute_batch("PRAGMA foreign_keys = ON")?;
+        Ok(conn)
+    }
+}
+
+impl ConnectionManager {
+    /// Switches the database to WAL mode and returns the resulting mode.
+    ///
+    /// The switch needs an exclusive lock, and SQLite reports `SQLITE_BUSY`
+    /// at once, without waiting in the busy handler, while another
+    /// connection holds the file open in a shared state. That happens when
+    /// several processes open a fresh file together, so retry until the
+    /// busy timeout has passed. Once the file is in WAL mode (the mode is
+    /// persistent) the pragma needs no lock and succeeds at once.
+    fn enable_wal(&self, conn: &Connection) -> rusqlite::Result<String> {
+        let deadline = Instant::now() + self.busy_timeout;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match conn.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0)) {
+                Err(e)
+                    if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy)
+                        && Instant::now() < deadline =>
+                {
+                    thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+impl r2d2::ManageConnection for ConnectionManager {
+    type Connection = Connection;
+    type Error = rusqlite::Error;
+
+    fn connect(&self) -> Result<Connection, rusqlite::Error> {
+        self.open()
+    }
+
+    fn is_valid(&self, conn: &mut Connection) -> Result<(), rusqlite::Error> {
+        conn.query_row("SELECT 1", [], |_| Ok(()))
+    }
+
+    /// A connection comes back clean: if a transaction is still open (a
+    /// rollback failed, or a caller left one behind), roll it back here; a
+    /// connection that still cannot leave its transaction is discarded.
+    fn has_broken(&self, conn: &mut Connection) -> bool {
+        if !conn.is_autocommit()
+            && let Err(e) = conn.execute_batch("ROLLBACK")
+        {
+            tracing::warn!(error = %e, "rollback of a returned SQLite connection failed");
+        }
+        !conn.is_autocommit()
+    }
+}
+
+type Pool = r2d2::Pool<ConnectionManager>;
+type PooledConnection = r2d2::PooledConnection<ConnectionManager>;
+
+struct Inner {
+    pool: Pool,
+    path: PathBuf,
+}
+
+/// The durable [`Storage`] backend: one SQLite database file in WAL mode.
+///
+/// Cheap to clone (the pool is shared) and safe to use from many threads.
+/// Several processes, or several `SqliteStore`s in one process, may open the
+/// same file at once; SQLite's locking and the unique constraint keep every
+/// operation atomic across all of them.
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.inner.path)
+            .field("pool_size", &self.inner.pool.max_size())
+            .finish()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database at `path` and brings its
+    /// schema up to date.
+    ///
+    /// Every connection uses `journal_mode=WAL`, the configured busy timeout
+    /// and `synchronous`, and `foreign_keys=ON`. Migrations run inside
+    /// `BEGIN IMMEDIATE`, so processes that open a fresh file at the same
+    /// time apply each one exactly once.
+    ///
+    /// Errors: [`StoreError::Rejected`] for invalid options,
+    /// [`StoreError::Unavailable`] when the file cannot be opened or stays
+    /// locked, [`StoreError::Internal`] when it is not a database this build
+    /// understands (for example a newer schema version).
+    pub fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<SqliteStore, StoreError> {
+        options.validate()?;
+        let path = path.as_ref().to_path_buf();
+        let manager = ConnectionManager {
+            path: path.clone(),
+            busy_timeout: options.busy_timeout,
+            synchronous: options.synchronous,
+        };
+        // One connection outside the pool: it reports an unopenable file at
+        // once (the pool would retry until its timeout) and runs migrations.
+        let mut conn = manager.open().map_err(map_err)?;
+        migrate(&mut conn)?;
+        drop(conn);
+
+        // Every connection is opened now and kept open (min_idle defaults to
+        // max_size), so an operation waits only when all are in use.
+        let pool = r2d2::Pool::builder()
+            .max_size(options.pool_size)
+            .connection_timeout(options.busy_timeout.max(MIN_POOL_WAIT))
+            // SQLite connections do not go stale like network connections;
+            // `has_broken` cleans up connections on their way back instead.
+            .test_on_check_out(false)
+            .build(manager)
+            .map_err(map_pool_err)?;
+        Ok(SqliteStore {
+            inner: Arc::new(Inner { pool, path }),
+        })
+    }
+
+    /// The path the store was opened with.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Runs `PRAGMA integrity_check`; true when SQLite reports `ok`.
+    pub fn integrity_check(&self) -> Result<bool, StoreError> {
+        let conn = self.checkout()?;
+        let mut stmt = conn.prepare("PRAGMA integrity_check").map_err(map_err)?;
+        let mut rows = stmt.query([]).map_err(map_err)?;
+        let mut ok = false;
+        let mut lines = 0usize;
+        while let Some(row) = rows.next().map_err(map_err)? {
+            let line: String = row.get(0).map_err(map_err)?;
+            ok = line == "ok";
+            lines += 1;
+        }
+        Ok(ok && lines == 1)
+    }
+
+    /// Starts a write transaction (`BEGIN IMMEDIATE`) on a pooled connection.
+    ///
+    /// The returned [`SqliteTransaction`] implements [`Storage`] inside the
+    /// transaction and lets business code write through
+    /// [`SqliteTransaction::with_connection`], so that both commit or roll
+    /// back together. It holds SQLite's write lock until it ends: other
+    /// writers, in this process or others, wait up to the busy timeout.
+    pub fn begin_transaction(&self) -> Result<SqliteTransaction, StoreError> {
+        let conn = self.checkout()?;
+        conn.execute_batch("BEGIN IMMEDIATE").map_err(map_err)?;
+        Ok(SqliteTransaction {
+            conn: Mutex::new(Some(conn)),
+        })
+    }
+
+    fn checkout(&self) -> Result<PooledConnection, StoreError> {
+        self.inner.pool.get().map_err(map_pool_err)
+    }
+
+    /// Runs a single-statement operation (atomic by itself, in autocommit
+    /// mode) on a pooled connection.
+    fn single<R>(
+        &self,
+        op: impl FnOnce(&Connection) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        let conn = self.checkout()?;
+        op(&conn)
+    }
+
+    /// Runs an operation inside `BEGIN IMMEDIATE … COMMIT` on a pooled
+    /// connection; any error rolls it back.
+    fn write<R>(
+        &self,
+        op: impl FnOnce(&Connection) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        let mut conn = self.checkout()?;
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(map_err)?;
+        let out = op(&tx)?;
+        tx.commit().map_err(map_err)?;
+        Ok(out)
+    }
+}
+
+impl Storage for SqliteStore {
+    fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
+        self.write(|conn| insert_if_absent(conn, candidate))
+    }
+
+    fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
+        self.single(|conn| get(conn, key))
+    }
+
+    fn compare_and_swap(
+        &self,
+        expected_revision: u64,
+        replacement: &StoredRecord,
+    ) -> Result<SwapOutcome, StoreError> {
+        self.write(|conn| compare_and_swap(conn, expected_revision, replacement))
+    }
+
+    fn delete_expired(&self, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
+        self.single(|conn| delete_expired(conn, now, limit))
+    }
+
+    fn list_stale(
+        &self,
+        biz_type: &str,
+        now: Timestamp,
+        limit: u32,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        self.single(|conn| list_stale(conn, biz_type, now, limit))
+    }
+
+    fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
+        self.single(count_by_status)
+    }
+}
+
+/// A write transaction on one pooled connection, opened by
+/// [`SqliteStore::begin_transaction`].
+///
+/// Its [`Storage`] methods run inside the transaction (no nested
+/// transactions), and [`with_connection`](Self::with_connection) lets
+/// business code write in it too. Nothing is visible to other connections
+/// until [`commit`](Self::commit). Dropping it without committing rolls
+/// back; the connection always returns to the pool outside any transaction.
+pub struct SqliteTransaction {
+    conn: Mutex<Option<PooledConnection>>,
+}
+
+impl fmt::Debug for SqliteTransaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteTransaction").finish_non_exhaustive()
+    }
+}
+
+impl SqliteTransaction {
+    /// Runs `f` on the transaction's connection, e.g. a business write that
+    /// must commit together with the record's transition.
+    ///
+    /// `f` must not end the transaction itself (`COMMIT`, `ROLLBACK`).
+    /// Fails with [`StoreError::Internal`], without calling `f`, when the
+    /// transaction is no longer active (SQLite rolls a transaction back by
+    /// itself after some errors, such as a full disk).
+    pub fn with_connection<R>(&self, f: impl FnOnce(&Connection) -> R) -> Result<R, StoreError> {
+        self.run(|conn| Ok(f(conn)))
+    }
+
+    /// Commits every write made in the transaction.
+    ///
+    /// On error nothing is committed by this call (the transaction is rolled
+    /// back), except that an [`StoreError::Unavailable`] leaves it unknown,
+    /// as for any write.
+    pub fn commit(self) -> Result<(), StoreError> {
+        let conn = self.take()?;
+        if conn.is_autocommit() {
+            return Err(StoreError::Internal(
+                "the transaction is no longer active; nothing was committed".to_owned(),
+            ));
+        }
+        // On failure, `conn` goes back to the pool, which rolls back what is
+        // left of the transaction.
+        conn.execute_batch("COMMIT").map_err(map_err)
+    }
+
+    /// Rolls back every write made in the transaction.
+    pub fn rollback(self) -> Result<(), StoreError> {
+        // Rolling back is right even after a panic poisoned the lock.
+        let Some(conn) = self.lock().take() else {
+            return Ok(());
+        };
+        if conn.is_autocommit() {
+            // SQLite already rolled it back.
+            return Ok(());
+        }
+        conn.execute_batch("ROLLBACK").map_err(map_err)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<PooledConnection>> {
+        // A panic inside `with_connection` poisons the lock. The connection
+        // is still usable for a rollback; `run` and `commit` check for the
+        // poison themselves and refuse to go on.
+        self.conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn take(&self) -> Result<PooledConnection, StoreError> {
+        if self.conn.is_poisoned() {
+            return Err(StoreError::Internal(
+                "a panic interrupted the transaction; it was rolled back".to_owned(),
+            ));
+        }
+        self.lock()
+            .take()
+            .ok_or_else(|| StoreError::Internal("the transaction has ended".to_owned()))
+    }
+
+    fn run<R>(
+        &self,
+        op: impl FnOnce(&Connection) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        if self.conn.is_poisoned() {
+            return Err(StoreError::Internal(
+                "a panic interrupted the transaction; it can only be rolled back".to_owned(),
+            ));
+        }
+        let guard = self.lock();
+        let conn = guard
+            .as_ref()
+            .ok_or_else(|| StoreError::Internal("the transaction has ended".to_owned()))?;
+        if conn.is_autocommit() {
+            return Err(StoreError::Internal(
+                "the transaction is no longer active (SQLite rolled it back after an error, \
+                 or it was ended inside with_connection)"
+                    .to_owned(),
+            ));
+        }
+        op(conn)
+    }
+}
+
+impl Drop for SqliteTransaction {
+    fn drop(&mut self) {
+        let conn = self.lock().take();
+        if let Some(conn) = conn
+            && !conn.is_autocommit()
+            && let Err(e) = conn.execute_batch("ROLLBACK")
+        {
+            // The pool retries the rollback, or discards the connection.
+            tracing::warn!(error = %e, "rollback of a dropped SQLite transaction failed");
+        }
+    }
+}
+
+impl Storage for SqliteTransaction {
+    fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
+        self.run(|conn| insert_if_absent(conn, candidate))
+    }
+
+    fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
+        self.run(|conn| get(conn, key))
+    }
+
+    fn compare_and_swap(
+        &self,
+        expected_revision: u64,
+        replacement: &StoredRecord,
+    ) -> Result<SwapOutcome, StoreError> {
+        self.run(|conn| compare_and_swap(conn, expected_revision, replacement))
+    }
+
+    fn delete_expired(&self, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
+        self.run(|conn| delete_expired(conn, now, limit))
+    }
+
+    fn list_stale(
+        &self,
+        biz_type: &str,
+        now: Timestamp,
+        limit: u32,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        self.run(|conn| list_stale(conn, biz_type, now, limit))
+    }
+
+    fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
+        self.run(count_by_status)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Schema migrations.
+
+fn user_version(conn: &Connection) -> Result<usize, StoreError> {
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |row| row.get(0))
+        .map_err(map_err)?;
+    usize::try_from(version)
+        .map_err(|_| StoreError::Internal(format!("negative schema version {version}")))
+}
+
+fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
+    let target = MIGRATIONS.len();
+    let check = |version: usize| {
+        if version > target {
+            Err(StoreError::Internal(format!(
+                "the database has schema version {version}; this build knows versions up to \
+                 {target}"
+            )))
+        } else {
+            Ok(version)
+        }
+    };
+    if check(user_version(conn)?)? == target {
+        return Ok(());
+    }
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(map_err)?;
+    // Another process may have migrated between the check and the lock.
+    let current = check(user_version(&tx)?)?;
+    for (index, sql) in MIGRATIONS.iter().enumerate().skip(current) {
+        tx.execute_batch(sql).map_err(map_err)?;
+        tx.execute_batch(&format!("PRAGMA user_version = {}", index + 1))
+            .map_err(map_err)?;
+    }
+    tx.commit().map_err(map_err)
+}
+
+// ---------------------------------------------------------------------------
+// The operations, each written once over a connection. The caller decides
+// whether they run in their own transaction (SqliteStore) or in an open one
+// (SqliteTransaction).
+
+fn insert_if_absent(
+    conn: &Connection,
+    candidate: &StoredRecord,
+) -> Result<InsertOutcome, StoreError> {
+    let row = EncodedRecord::new(candidate)?;
+    let mut stmt = conn.prepare_cached(SQL_INSERT).map_err(map_err)?;
+    let id: Option<i64> = stmt
+        .query_row(row.params().as_slice(), |r| r.get(0))
+        .optional()
+        .map_err(map_err)?;
+    match id {
+        Some(id) => {
+            let mut inserted = candidate.clone();
+            inserted.id = to_u64(id, "id")?;
+            Ok(InsertOutcome::Inserted(inserted))
+        }
+        None => match get(conn, &candidate.key)? {
+            Some(existing) => Ok(InsertOutcome::Existing(existing)),
+            None => Err(StoreError::Internal(
+                "the insert was refused by the unique key, yet no record has the key".to_owned(),
+            )),
+        },
+    }
+}
+
+fn get(conn: &Connection, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(SQL_GET).map_err(map_err)?;
+    let mut rows = stmt
+        .query((&key.scope, &key.biz_type, &key.idem_key))
+        .map_err(map_err)?;
+    match rows.next().map_err(map_err)? {
+        Some(row) => decode_row(row).map(Some),
+        None => Ok(None),
+    }
+}
+
+fn compare_and_swap(
+    conn: &Connection,
+    expected_revision: u64,
+    replacement: &StoredRecord,
+) -> Result<SwapOutcome, StoreError> {
+    let row = EncodedRecord::new(replacement)?;
+    // A revision SQLite cannot store is not stored: nothing matches it.
+    if let Ok(expected) = i64::try_from(expected_revision) {
+        let mut params = row.params();
+        params.push(&expected);
+        let mut stmt = conn.prepare_cached(SQL_SWAP).map_err(map_err)?;
+        let changed = stmt.execute(params.as_slice()).map_err(map_err)?;
+        if changed > 0 {
+            return Ok(SwapOutcome::Swapped);
+        }
+    }
+    Ok(SwapOutcome::Stale(get(conn, &replacement.key)?))
+}
+
+fn delete_expired(conn: &Connection, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
+    let mut stmt = conn.prepare_cached(SQL_DELETE_EXPIRED).map_err(map_err)?;
+    let deleted = stmt
+        .execute((saturate(now), i64::from(limit)))
+        .map_err(map_err)?;
+    u32::try_from(deleted)
+        .map_err(|_| StoreError::Internal(format!("deleted {deleted} rows, more than the limit")))
+}
+
+fn list_stale(
+    conn: &Connection,
+    biz_type: &str,
+    now: Timestamp,
+    limit: u32,
+) -> Result<Vec<StoredRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(SQL_LIST_STALE).map_err(map_err)?;
+    let mut rows = stmt
+        .query((biz_type, saturate(now), i64::from(limit)))
+        .map_err(map_err)?;
+    let mut records = Vec::new();
+    while let Some(row) = rows.next().map_err(map_err)? {
+        records.push(decode_row(row)?);
+    }
+    Ok(records)
+}
+
+fn count_by_status(conn: &Connection) -> Result<Vec<(Status, u64)>, StoreError> {
+    let mut stmt = conn.prepare_cached(SQL_COUNT_BY_STATUS).map_err(map_err)?;
+    let mut rows = stmt.query([]).map_err(map_err)?;
+    let mut counts = Status::ALL.map(|status| (status, 0u64));
+    while let Some(row) = rows.next().map_err(map_err)? {
+        let name: String = row.get(0).map_err(map_err)?;
+        let count: i64 = row.get(1).map_err(map_err)?;
+        let status = parse_status(&name)?;
+        let slot = counts
+            .iter_mut()
+            .find(|(s, _)| *s == status)
+            .ok_or_else(|| StoreError::Internal(format!("status {name} is not counted")))?;
+        slot.1 = to_u64(count, "count")?;
+    }
+    Ok(counts.to_vec())
+}
+
+// ---------------------------------------------------------------------------
+// Encoding and decoding.
+
+/// A record converted to SQLite values. Numbers above `i64::MAX` are
+/// rejected; `response` and `failure` are JSON of the host types (byte
+/// strings are JSON arrays of numbers, so the round trip is exact).
+struct EncodedRecord<'a> {
+    scope: &'a str,
+    biz_type: &'a str,
+    idem_key: &'a str,
+    fingerprint: &'a str,
+    fingerprint_version: i64,
+    status: &'static str,
+    fencing_token: i64,
+    revision: i64,
+    attempts: i64,
+    lease_until: Option<i64>,
+    created_at: i64,
+    updated_at: i64,
+    expires_at: Option<i64>,
+    result_ref: Option<&'a str>,
+    response: Option<Vec<u8>>,
+    failure: Option<Vec<u8>>,
+}
+
+impl<'a> EncodedRecord<'a> {
+    fn new(record: &'a StoredRecord) -> Result<Self, StoreError> {
+        Ok(Self {
+            scope: &record.key.scope,
+            biz_type: &record.key.biz_type,
+            idem_key: &record.key.idem_key,
+            fingerprint: &record.fingerprint,
+            fingerprint_version: i64::from(record.fingerprint_version),
+            status: record.status.as_str(),
+            fencing_token: to_i64(record.fencing_token, "fencing_token")?,
+            revision: to_i64(record.revision, "revision")?,
+            attempts: i64::from(record.attempts),
+            lease_until: record
+                .lease_until
+                .map(|v| to_i64(v, "lease_until"))
+                .transpose()?,
+            created_at: to_i64(record.created_at, "created_at")?,
+            updated_at: to_i64(record.updated_at, "updated_at")?,
+            expires_at: record
+                .expires_at
+                .map(|v| to_i64(v, "expires_at"))
+                .transpose()?,
+            result_ref: record.result_ref.as_deref(),
+            response: record
+                .response
+                .as_ref()
+                .map(|r| to_json(r, "response"))
+                .transpose()?,
+            failure: record
+                .failure
+                .as_ref()
+                .map(|f| to_json(f, "failure"))
+                .transpose()?,
+        })
+    }
+
+    /// Parameters `?1` to `?16` of [`SQL_INSERT`] and [`SQL_SWAP`].
+    fn params(&self) -> Vec<&dyn ToSql> {
+        vec![
+            &self.scope,
+            &self.biz_type,
+            &self.idem_key,
+            &self.fingerprint,
+            &self.fingerprint_version,
+            &self.status,
+            &self.fencing_token,
+            &self.revision,
+            &self.attempts,
+            &self.lease_until,
+            &self.created_at,
+            &self.updated_at,
+            &self.expires_at,
+            &self.result_ref,
+            &self.response,
+            &self.failure,
+        ]
+    }
+}
+
+fn to_i64(value: u64, field: &str) -> Result<i64, StoreError> {
+    i64::try_from(value).map_err(|_| {
+        StoreError::Rejected(format!(
+            "{field} = {value} is above {}, the largest integer SQLite stores",
+            i64::MAX
+        ))
+    })
+}
+
+/// A bound for comparisons: every stored value is at most `i64::MAX`, so a
+/// larger bound compares exactly like `i64::MAX`.
+fn saturate(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn to_json<T: serde::Serialize>(value: &T, field: &str) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value)
+        .map_err(|e| StoreError::Internal(format!("cannot encode {field}: {e}")))
+}
+
+fn to_u64(value: i64, column: &str) -> Result<u64, StoreError> {
+    u64::try_from(value)
+        .map_err(|_| StoreError::Internal(format!("column {column} holds negative value {value}")))
+}
+
+fn to_u32(value: i64, column: &str) -> Result<u32, StoreError> {
+    u32::try_from(value).map_err(|_| {
+        StoreError::Internal(format!(
+            "column {column} holds {value}, outside 0..=u32::MAX"
+        ))
+    })
+}
+
+fn parse_status(name: &str) -> Result<Status, StoreError> {
+    Status::parse(name)
+        .ok_or_else(|| StoreError::Internal(format!("column status holds unknown status {name:?}")))
+}
+
+/// Reads column `index` of [`columns!`], naming it in any error.
+fn column<T: FromSql>(row: &rusqlite::Row<'_>, index: usize) -> Result<T, StoreError> {
+    row.get(index).map_err(|e| {
+        StoreError::Internal(format!("column {} cannot be read: {e}", column_name(index)))
+    })
+}
+
+fn column_name(index: usize) -> &'static str {
+    COLUMN_NAMES.get(index).copied().unwrap_or("?")
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(
+    bytes: Option<Vec<u8>>,
+    column_name: &str,
+) -> Result<Option<T>, StoreError> {
+    bytes
+        .map(|b| {
+            serde_json::from_slice(&b).map_err(|e| {
+                StoreError::Internal(format!("column {column_name} cannot be decoded: {e}"))
+            })
+        })
+        .transpose()
+}
+
+/// Decodes one row selected with [`columns!`].
+fn decode_row(row: &rusqlite::Row<'_>) -> Result<StoredRecord, StoreError> {
+    let opt_u64 = |index: usize| -> Result<Option<u64>, StoreError> {
+        column::<Option<i64>>(row, index)?
+            .map(|v| to_u64(v, column_name(index)))
+            .transpose()
+    };
+    let status: String = column(row, 6)?;
+    Ok(StoredRecord {
+        id: to_u64(column(row, 0)?, "id")?,
+        key: RecordKey {
+            scope: column(row, 1)?,
+            biz_type: column(row, 2)?,
+            idem_key: column(row, 3)?,
+        },
+        fingerprint: column(row, 4)?,
+        fingerprint_version: to_u32(column(row, 5)?, "fingerprint_version")?,
+        status: parse_status(&status)?,
+        fencing_token: to_u64(column(row, 7)?, "fencing_token")?,
+        revision: to_u64(column(row, 8)?, "revision")?,
+        attempts: to_u32(column(row, 9)?, "attempts")?,
+        lease_until: opt_u64(10)?,
+        created_at: to_u64(column(row, 11)?, "created_at")?,
+        updated_at: to_u64(column(row, 12)?, "updated_at")?,
+        expires_at: opt_u64(13)?,
+        result_ref: column(row, 14)?,
+        response: from_json::<StoredResponse>(column(row, 15)?, "response")?,
+        failure: from_json::<Failure>(column(row, 16)?, "failure")?,
+    })
+}
