@@ -68,6 +68,16 @@ pub const MAX_FINGERPRINT_FIELDS: usize = 64;
 /// twice (as given and canonical) while it is fingerprinted.
 pub const MAX_BODY_LIMIT: u32 = 64 * 1024 * 1024;
 
+/// Longest retention, in milliseconds: ten years covers any legal record
+/// keeping, and keeps every expiry far inside the stores' signed 64-bit
+/// millisecond columns.
+pub const MAX_RETENTION_MS: u64 = 10 * 366 * 24 * 60 * 60 * 1000;
+
+/// Longest lease (and retry-after hint), in milliseconds: a week. An owner
+/// that needs longer should `extend`; a longer lease only delays recovery
+/// from a crash.
+pub const MAX_LEASE_MS: u64 = 7 * 24 * 60 * 60 * 1000;
+
 /// Builds the error value.
 fn invalid(field: InputField, rule: InputRule, message: String) -> InvalidInput {
     InvalidInput {
@@ -275,12 +285,12 @@ fn policy_err(rule: InputRule, message: String) -> InvalidInput {
     invalid(InputField::Policy, rule, message)
 }
 
-/// Fails with `out-of-range` unless `value` is at least 1.
-fn at_least_one(value: u64, name: &str) -> Result<(), InvalidInput> {
-    if value < 1 {
+/// Fails with `out-of-range` unless `value` is from 1 to `max`.
+fn in_range(value: u64, max: u64, name: &str) -> Result<(), InvalidInput> {
+    if !(1..=max).contains(&value) {
         return Err(policy_err(
             InputRule::OutOfRange,
-            format!("policy.{name} is out of range: it must be at least 1"),
+            format!("policy.{name} is out of range: it must be from 1 to {max}"),
         ));
     }
     Ok(())
@@ -294,12 +304,16 @@ fn at_least_one(value: u64, name: &str) -> Result<(), InvalidInput> {
 /// max-body-bytes), `too-long` (too many fingerprint fields) or `bad-format`
 /// (a fingerprint field that is not a JSON Pointer).
 pub fn policy(p: &Policy) -> Result<(), InvalidInput> {
-    at_least_one(p.retention_ms, "retention-ms")?;
-    at_least_one(p.lease_ms, "lease-ms")?;
-    at_least_one(p.retry_after_ms, "retry-after-ms")?;
+    in_range(p.retention_ms, MAX_RETENTION_MS, "retention-ms")?;
+    in_range(p.lease_ms, MAX_LEASE_MS, "lease-ms")?;
+    in_range(p.retry_after_ms, MAX_LEASE_MS, "retry-after-ms")?;
 
     let kf = &p.key_format;
-    at_least_one(u64::from(kf.min_length), "key-format.min-length")?;
+    in_range(
+        u64::from(kf.min_length),
+        u64::from(MAX_KEY_BYTES),
+        "key-format.min-length",
+    )?;
     if kf.max_length > MAX_KEY_BYTES {
         return Err(policy_err(
             InputRule::OutOfRange,
@@ -329,7 +343,11 @@ pub fn policy(p: &Policy) -> Result<(), InvalidInput> {
                 ),
             ));
         }
-        at_least_one(w.poll_interval_ms, "in-progress.poll-interval-ms")?;
+        in_range(
+            w.poll_interval_ms,
+            MAX_WAIT_MS,
+            "in-progress.poll-interval-ms",
+        )?;
         if w.max_wait_ms > 0 && w.poll_interval_ms > w.max_wait_ms {
             return Err(policy_err(
                 InputRule::OutOfRange,
@@ -865,6 +883,32 @@ mod tests {
     }
 
     #[test]
+    fn policy_durations_have_upper_bounds() {
+        ok(policy(&Policy {
+            retention_ms: MAX_RETENTION_MS,
+            lease_ms: MAX_LEASE_MS,
+            retry_after_ms: MAX_LEASE_MS,
+            ..good_policy()
+        }));
+        for p in [
+            Policy {
+                retention_ms: MAX_RETENTION_MS + 1,
+                ..good_policy()
+            },
+            Policy {
+                lease_ms: MAX_LEASE_MS + 1,
+                ..good_policy()
+            },
+            Policy {
+                retry_after_ms: u64::MAX,
+                ..good_policy()
+            },
+        ] {
+            fails(policy(&p), InputField::Policy, InputRule::OutOfRange);
+        }
+    }
+
+    #[test]
     fn policy_durations_at_least_one() {
         let m = fails(
             policy(&Policy {
@@ -875,7 +919,7 @@ mod tests {
             InputRule::OutOfRange,
         );
         assert!(
-            m.contains("policy.retention-ms") && m.contains("at least 1"),
+            m.contains("policy.retention-ms") && m.contains("from 1 to"),
             "{m}"
         );
         let m = fails(
@@ -940,7 +984,12 @@ mod tests {
         ok(policy(&with(60_000, 60_000)));
         ok(policy(&with(1, 1)));
         ok(policy(&with(0, 1)));
-        ok(policy(&with(0, 100_000)));
+        ok(policy(&with(0, MAX_WAIT_MS)));
+        fails(
+            policy(&with(0, MAX_WAIT_MS + 1)),
+            InputField::Policy,
+            InputRule::OutOfRange,
+        );
         let m = fails(
             policy(&with(60_001, 100)),
             InputField::Policy,

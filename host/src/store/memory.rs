@@ -199,8 +199,30 @@ impl MemoryStore {
     }
 }
 
+/// Refuses what a SQL store cannot hold: integers above `i64::MAX`. The mock
+/// must fail where the durable stores fail, or tests would pass on it alone.
+fn check_fits(record: &StoredRecord) -> Result<(), StoreError> {
+    let integers = [
+        ("fencing_token", Some(record.fencing_token)),
+        ("revision", Some(record.revision)),
+        ("lease_until", record.lease_until),
+        ("created_at", Some(record.created_at)),
+        ("updated_at", Some(record.updated_at)),
+        ("expires_at", record.expires_at),
+    ];
+    for (field, value) in integers {
+        if value.is_some_and(|v| i64::try_from(v).is_err()) {
+            return Err(StoreError::Rejected(format!(
+                "{field} is above i64::MAX, which a SQL store cannot hold"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Storage for MemoryStore {
     fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
+        check_fits(candidate)?;
         self.run(Op::InsertIfAbsent, |state| {
             if let Some(existing) = state.records.get(&candidate.key) {
                 return Ok(InsertOutcome::Existing(existing.clone()));
@@ -226,6 +248,7 @@ impl Storage for MemoryStore {
         expected_revision: u64,
         replacement: &StoredRecord,
     ) -> Result<SwapOutcome, StoreError> {
+        check_fits(replacement)?;
         self.run(Op::CompareAndSwap, |state| {
             match state.records.get_mut(&replacement.key) {
                 Some(current) if current.revision == expected_revision => {

@@ -585,6 +585,15 @@ fn order_count(store: &SqliteStore) -> i64 {
 #[test]
 fn sqlite_rejects_u64_above_i64_max() {
     let (_dir, store) = sqlite_store();
+    rejects_u64_above_i64_max(&store);
+}
+
+#[test]
+fn memory_rejects_u64_above_i64_max_like_sqlite() {
+    rejects_u64_above_i64_max(&MemoryStore::new());
+}
+
+fn rejects_u64_above_i64_max(store: &dyn Storage) {
     let big = i64::MAX as u64 + 1;
     type Setter = fn(&mut StoredRecord, u64);
     let variants: [(&str, Setter); 6] = [
@@ -605,7 +614,7 @@ fn sqlite_rejects_u64_above_i64_max() {
         assert_eq!(store.get(&key(field)).unwrap(), None, "{field} was written");
     }
 
-    let r = insert(&store, &candidate(key("k")));
+    let r = insert(store, &candidate(key("k")));
     let mut next = r.clone();
     next.revision = u64::MAX;
     assert!(matches!(
