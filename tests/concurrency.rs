@@ -90,3 +90,42 @@ fn eight_threads_one_thousand_keys_execute_once_each() -> Result<()> {
     );
     Ok(())
 }
+
+/// One `Engine` shared by every thread (instances are pooled inside it),
+/// on a pool of SQLite connections, with the plain `run` API.
+#[test]
+fn one_shared_engine_across_threads_executes_once_per_key() -> Result<()> {
+    const SHARED_KEYS: usize = 300;
+    let dir = tempfile::tempdir()?;
+    let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())?;
+    let engine = Engine::builder().storage(store).build()?;
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let per_key: Arc<Vec<AtomicU64>> =
+        Arc::new((0..SHARED_KEYS).map(|_| AtomicU64::new(0)).collect());
+    let handles: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (engine, barrier, per_key) = (engine.clone(), barrier.clone(), per_key.clone());
+            std::thread::spawn(move || -> Result<()> {
+                for (i, count) in per_key.iter().enumerate() {
+                    let key = RecordKey::new("tenant-1", "order.create", format!("key-{i}"));
+                    let req = BeginRequest::raw(key, format!("{i}"), Policy::default());
+                    barrier.wait();
+                    engine.run(&req, |_| {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        ActionResult::Succeeded(Success::with_ref(format!("o-{i}")))
+                    })?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("thread panicked")?;
+    }
+    let counts: Vec<u64> = per_key.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+    ensure!(
+        counts.iter().all(|&c| c == 1),
+        "executions per key: {counts:?}"
+    );
+    Ok(())
+}

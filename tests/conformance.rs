@@ -449,6 +449,40 @@ fn expired_record_is_replaced(h: &Harness) -> Result<()> {
     Ok(())
 }
 
+fn expired_failures_are_replaced_too(h: &Harness) -> Result<()> {
+    let p = policy();
+    let t = execute(h, &request("failed", "{}"))?;
+    h.engine.fail(&t, &p, &failure("x"), Disposition::Final)?;
+    let t = execute(h, &request("released", "{}"))?;
+    h.engine
+        .fail(&t, &p, &failure("x"), Disposition::Retryable)?;
+    h.clock.advance(p.retention_ms);
+    for k in ["failed", "released"] {
+        let t = execute(h, &request(k, r#"{"another":"request"}"#))?;
+        ensure!(t.attempt == 1 && t.fencing_token == 2, "{k}: {t:?}");
+    }
+    Ok(())
+}
+
+fn impossible_records_are_reported_corrupt(h: &Harness) -> Result<()> {
+    let req = request("k1", "{}");
+    execute(h, &req)?;
+    let mut rec = h.storage().get(&key("k1"))?.expect("record");
+    let revision = rec.revision;
+    rec.revision += 1;
+    rec.lease_until = None; // processing without a lease: never written by the engine
+    ensure!(h.storage().compare_and_swap(revision, &rec)? == idem::SwapOutcome::Swapped);
+    match h.engine.begin(&req) {
+        Err(Error::Corrupt(msg)) => ensure!(msg.contains("status"), "{msg}"),
+        other => bail!("expected corrupt, got {other:?}"),
+    }
+    ensure!(matches!(
+        h.engine.inspect(&key("k1")),
+        Err(Error::Corrupt(_))
+    ));
+    Ok(())
+}
+
 fn sweep_deletes_only_expired_settled_records(h: &Harness) -> Result<()> {
     let p = policy();
     for i in 0..5 {
@@ -547,6 +581,39 @@ fn reconcile_not_found_manual_is_left(h: &Harness) -> Result<()> {
     Ok(())
 }
 
+fn outcome_unknown_is_reconciled(h: &Harness) -> Result<()> {
+    let p = policy();
+    for k in ["found", "missing"] {
+        let t = abandon(h, k, &p)?;
+        h.engine
+            .fail(&t, &p, &failure("timeout"), Disposition::OutcomeUnknown)?;
+    }
+    h.results.insert(&key("found"), "order-5");
+    // No lease to wait for: an unknown outcome is examined at once.
+    let r = h.engine.reconcile("order.create", &p, 10)?;
+    ensure!(
+        r.examined == 2 && r.succeeded == 1 && r.released == 1,
+        "{r:?}"
+    );
+    ensure!(status_of(h, "found")? == Some(Status::Succeeded));
+    ensure!(status_of(h, "missing")? == Some(Status::Released));
+    let t = execute(h, &BeginRequest::json(key("missing"), "{}", p))?;
+    ensure!(t.attempt == 2, "{t:?}");
+    Ok(())
+}
+
+fn reconcile_respects_its_limit(h: &Harness) -> Result<()> {
+    let p = policy();
+    for i in 0..5 {
+        abandon(h, &format!("k{i}"), &p)?;
+    }
+    h.clock.advance(p.lease_ms);
+    ensure!(h.engine.reconcile("order.create", &p, 2)?.examined == 2);
+    ensure!(h.engine.reconcile("order.create", &p, 10)?.examined == 3);
+    ensure!(h.engine.reconcile("order.create", &p, 10)?.examined == 0);
+    Ok(())
+}
+
 fn reconcile_lookup_error_leaves_record(h: &Harness) -> Result<()> {
     let p = policy();
     let t = abandon(h, "k1", &p)?;
@@ -585,6 +652,53 @@ fn wait_mode_gives_up_after_max_wait(h: &Harness) -> Result<()> {
     let before = h.now();
     ensure!(matches!(h.engine.begin(&req)?, Decision::InProgress(_)));
     ensure!(h.now() - before == 2_000, "waited {} ms", h.now() - before);
+    Ok(())
+}
+
+/// A clock whose first `pause` runs a hook: another request completing
+/// while this one waits, without any real sleeping.
+struct HookClock {
+    inner: idem::ManualClock,
+    hook: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl idem::Clock for HookClock {
+    fn now(&self) -> u64 {
+        self.inner.read()
+    }
+    fn pause(&self, duration_ms: u64) {
+        self.inner.advance(duration_ms);
+        let hook = self.hook.lock().expect("hook").take();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+}
+
+fn wait_mode_replays_when_the_first_completes(h: &Harness) -> Result<()> {
+    let mut req = request("k1", "{}");
+    req.policy.in_progress = InProgressMode::Wait(WaitSpec {
+        max_wait_ms: 5_000,
+        poll_interval_ms: 250,
+    });
+    let t = execute(h, &req)?;
+    let (first, policy) = (h.engine.clone(), req.policy.clone());
+    let waiter = h.engine_with_clock(HookClock {
+        inner: h.clock.clone(),
+        hook: std::sync::Mutex::new(Some(Box::new(move || {
+            let done = first.complete(&t, &policy, &Success::with_ref("order-1"));
+            assert_eq!(done.expect("complete"), Completion::Recorded);
+        }))),
+    })?;
+    let before = h.now();
+    match waiter.begin(&req)? {
+        Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("order-1")),
+        other => bail!("expected the waiter to get the replay, got {other:?}"),
+    }
+    ensure!(
+        h.now() - before == 250,
+        "one poll interval, not the whole wait"
+    );
     Ok(())
 }
 
@@ -739,6 +853,11 @@ suite!(
     reconcile_not_found_releases,
     reconcile_not_found_manual_is_left,
     reconcile_lookup_error_leaves_record,
+    outcome_unknown_is_reconciled,
+    reconcile_respects_its_limit,
+    expired_failures_are_replaced_too,
+    impossible_records_are_reported_corrupt,
+    wait_mode_replays_when_the_first_completes,
     reconcile_only_touches_its_biz_type,
     wait_mode_gives_up_after_max_wait,
     run_executes_the_action_once,

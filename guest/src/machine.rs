@@ -484,31 +484,55 @@ fn validate_ticket(t: &Ticket, policy: &Policy) -> Result<(), EngineError> {
     validate::record_key(&t.key, &policy.key_format).map_err(EngineError::Invalid)
 }
 
-/// Writes the owner's outcome: reads the record, checks the ticket, swaps.
-/// `settle` builds the settled record; `already` recognises an identical
-/// outcome stored by an earlier try of this same call.
-fn settle(
+/// What an owner's write came to.
+enum OwnerWrite {
+    /// This record is now stored.
+    Written(Box<StoredRecord>),
+    /// An earlier try of this same call already stored the outcome.
+    AlreadyRecorded,
+    /// Someone else owns the key now, or the record is gone.
+    Lost,
+}
+
+/// Writes on behalf of the ticket's owner: reads the record, checks the
+/// ticket, swaps in what `build` makes of it, and starts over if another
+/// writer got in between. `already` recognises an outcome stored by an
+/// earlier try of this same call.
+fn write_as_owner(
     env: &impl Env,
     t: &Ticket,
-    settle: impl Fn(&StoredRecord, Timestamp) -> Result<StoredRecord, EngineError>,
+    build: impl Fn(&StoredRecord, Timestamp) -> Result<StoredRecord, EngineError>,
     already: impl Fn(&StoredRecord) -> bool,
-) -> Result<Completion, EngineError> {
+) -> Result<OwnerWrite, EngineError> {
     let mut current = env.get(&t.key).map_err(store)?;
     for _ in 0..MAX_CONTENTION_ROUNDS {
         let rec = match ownership(t, current.take(), &already)? {
             Ownership::Owner(rec) => rec,
-            Ownership::AlreadyRecorded => return Ok(Completion::Recorded),
-            Ownership::Lost => return Ok(Completion::LostOwnership),
+            Ownership::AlreadyRecorded => return Ok(OwnerWrite::AlreadyRecorded),
+            Ownership::Lost => return Ok(OwnerWrite::Lost),
         };
-        let next = settle(&rec, env.now())?;
+        let next = build(&rec, env.now())?;
         match env.compare_and_swap(rec.revision, &next).map_err(store)? {
-            SwapOutcome::Swapped => return Ok(Completion::Recorded),
+            SwapOutcome::Swapped => return Ok(OwnerWrite::Written(Box::new(next))),
             SwapOutcome::Stale(now_stored) => current = now_stored,
         }
     }
     Err(EngineError::Store(StoreError::Unavailable(format!(
         "the record changed {MAX_CONTENTION_ROUNDS} times during one call; retry"
     ))))
+}
+
+/// Stores an owner's outcome: `complete` and `fail`.
+fn settle(
+    env: &impl Env,
+    t: &Ticket,
+    build: impl Fn(&StoredRecord, Timestamp) -> Result<StoredRecord, EngineError>,
+    already: impl Fn(&StoredRecord) -> bool,
+) -> Result<Completion, EngineError> {
+    Ok(match write_as_owner(env, t, build, already)? {
+        OwnerWrite::Written(_) | OwnerWrite::AlreadyRecorded => Completion::Recorded,
+        OwnerWrite::Lost => Completion::LostOwnership,
+    })
 }
 
 /// `engine.complete`.
@@ -590,25 +614,25 @@ pub fn fail(
 /// `engine.extend`.
 pub fn extend(env: &impl Env, t: &Ticket, policy: &Policy) -> Result<Extension, EngineError> {
     validate_ticket(t, policy)?;
-    let mut current = env.get(&t.key).map_err(store)?;
-    for _ in 0..MAX_CONTENTION_ROUNDS {
-        let rec = match ownership(t, current.take(), |_| false)? {
-            Ownership::Owner(rec) => rec,
-            Ownership::AlreadyRecorded | Ownership::Lost => return Ok(Extension::LostOwnership),
-        };
-        let now = env.now();
-        let mut next = rewrite(&rec, now)?;
-        let until = now.saturating_add(policy.lease_ms);
-        // A heartbeat never shortens a lease.
-        next.lease_until = Some(until.max(rec.lease_until.unwrap_or(0)));
-        match env.compare_and_swap(rec.revision, &next).map_err(store)? {
-            SwapOutcome::Swapped => return Ok(Extension::Extended(until)),
-            SwapOutcome::Stale(now_stored) => current = now_stored,
-        }
-    }
-    Err(EngineError::Store(StoreError::Unavailable(format!(
-        "the record changed {MAX_CONTENTION_ROUNDS} times during one call; retry"
-    ))))
+    let written = write_as_owner(
+        env,
+        t,
+        |rec, now| {
+            let mut next = rewrite(rec, now)?;
+            // A heartbeat never shortens a lease.
+            let until = now.saturating_add(policy.lease_ms);
+            next.lease_until = Some(until.max(rec.lease_until.unwrap_or(0)));
+            Ok(next)
+        },
+        |_| false,
+    )?;
+    Ok(match written {
+        OwnerWrite::Written(next) => match next.lease_until {
+            Some(until) => Extension::Extended(until),
+            None => return Err(corrupt(&next, "an extended lease has no end")),
+        },
+        OwnerWrite::AlreadyRecorded | OwnerWrite::Lost => Extension::LostOwnership,
+    })
 }
 
 /// `engine.reconcile`.

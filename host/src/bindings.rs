@@ -12,9 +12,9 @@ wasmtime::component::bindgen!({
     world: "idem",
 });
 
+pub use self::idem::engine::store as wit_store;
+pub use self::idem::engine::types as wit_types;
 pub use exports::idem::engine::engine as wit_engine;
-pub use idem::engine::store as wit_store;
-pub use idem::engine::types as wit_types;
 
 /// A conversion between a public type and its generated twin.
 pub trait Conv<T> {

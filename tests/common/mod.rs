@@ -82,6 +82,16 @@ impl Harness {
         })
     }
 
+    /// Another engine on the same store, with its own clock.
+    pub fn engine_with_clock(&self, clock: impl idem::Clock) -> anyhow::Result<Engine> {
+        let builder = Engine::builder().clock(clock);
+        let builder = match &self.backend {
+            Backend::Memory(m) => builder.storage(m.clone()),
+            Backend::Sqlite(s, _) => builder.storage(s.clone()),
+        };
+        Ok(builder.build()?)
+    }
+
     pub fn now(&self) -> u64 {
         self.clock.read()
     }
