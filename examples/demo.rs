@@ -14,11 +14,14 @@ fn main() -> Result<()> {
     let dir = tempfile_dir()?;
     let db = dir.join("demo.db");
     let store = SqliteStore::open(&db, SqliteOptions::default())?;
-    store.begin_transaction()?.with_connection(|c| {
+    // The business table lives in the same database file.
+    let tx = store.begin_transaction()?;
+    tx.with_connection(|c| {
         c.execute_batch(
             "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, idem_key TEXT, sku TEXT)",
         )
     })??;
+    tx.commit()?;
 
     // A virtual clock, so the demo can jump past a lease without sleeping.
     let clock = ManualClock::new(1_767_225_600_000);
