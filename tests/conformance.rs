@@ -229,7 +229,11 @@ fn expired_lease_reconcile_finds_result(h: &Harness) -> Result<()> {
         Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("order-7")),
         other => bail!("{other:?}"),
     }
-    ensure!(status_of(h, "k1")? == Some(Status::Succeeded));
+    let s = h.engine.inspect(&key("k1"))?.expect("record");
+    ensure!(
+        s.status == Status::Succeeded && s.attempts == 1,
+        "nothing ran again: {s:?}"
+    );
     ensure!(h.engine.complete(&t, &req.policy, &Success::default())? == Completion::LostOwnership);
     Ok(())
 }
@@ -254,6 +258,16 @@ fn expired_lease_reconcile_lookup_error_is_an_error(h: &Harness) -> Result<()> {
         Err(Error::Store(_)) => {}
         other => bail!("a failed lookup must never let the action run: {other:?}"),
     }
+    // The key is handed back, still stale: the next request asks again
+    // instead of waiting out a lease nobody holds.
+    let s = h.engine.inspect(&key("k1"))?.expect("record");
+    ensure!(
+        s.lease_until == Some(t.lease_until) && s.attempts == 1,
+        "{s:?}"
+    );
+    h.results.set_failing(false);
+    let t2 = execute(h, &req)?;
+    ensure!(t2.attempt == 2, "{t2:?}");
     Ok(())
 }
 

@@ -111,8 +111,16 @@ pub fn check_record(rec: &StoredRecord, key: &RecordKey) -> Result<(), EngineErr
             "fencing token, revision and attempts start at 1",
         ));
     }
-    if rec.fingerprint.len() != 64 || !rec.fingerprint.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(corrupt(rec, "the fingerprint is not 64 hex digits"));
+    if rec.fingerprint.len() != 64
+        || !rec
+            .fingerprint
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return Err(corrupt(
+            rec,
+            "the fingerprint is not 64 lowercase hex digits",
+        ));
     }
     let ok = match rec.status {
         Status::Processing => rec.lease_until.is_some() && rec.expires_at.is_none(),
@@ -386,7 +394,7 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
                 reconcile_first,
             } => match env.compare_and_swap(rec.revision, &next).map_err(store)? {
                 SwapOutcome::Swapped if reconcile_first => {
-                    return settle_after_takeover(env, *next, now, policy);
+                    return settle_after_takeover(env, &rec, *next, policy);
                 }
                 SwapOutcome::Swapped => return Ok(Decision::Execute(ticket(&next))),
                 SwapOutcome::Stale(now_stored) => {
@@ -408,25 +416,41 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
 /// whether the business result exists before executing again.
 fn settle_after_takeover(
     env: &impl Env,
+    abandoned: &StoredRecord,
     owned: StoredRecord,
-    now: Timestamp,
     policy: &Policy,
 ) -> Result<Decision, EngineError> {
-    match env.find_result(&owned.key).map_err(store)? {
-        None => Ok(Decision::Execute(ticket(&owned))),
-        Some(result_ref) => {
-            let done = succeeded(&owned, now, policy, Some(result_ref), None)?;
-            match env.compare_and_swap(owned.revision, &done).map_err(store)? {
-                SwapOutcome::Swapped => Ok(Decision::Replay(replayed(&done))),
-                // Someone overtook us within our own fresh lease: only a
-                // clock far out of step can do that. Answer busy; the next
-                // request sees what they wrote.
-                SwapOutcome::Stale(_) => Ok(Decision::InProgress(Busy {
-                    retry_after_ms: policy.retry_after_ms.max(1),
-                    lease_until: owned.lease_until.unwrap_or(now),
-                })),
-            }
+    let found = env.find_result(&owned.key);
+    let now = env.now();
+    let next = match &found {
+        Ok(None) => return Ok(Decision::Execute(ticket(&owned))),
+        Ok(Some(result_ref)) => {
+            let result_ref = result_ref.clone();
+            let mut done = succeeded(&owned, now, policy, Some(result_ref), None)?;
+            // Nothing was executed: the claim's attempt does not count.
+            done.attempts = abandoned.attempts;
+            done
         }
+        Err(_) => {
+            // Hand the key back as it was (stale, under the new token), so
+            // the next request asks again instead of waiting out a lease
+            // that nobody holds.
+            let mut back = rewrite(&owned, now)?;
+            back.lease_until = abandoned.lease_until;
+            back.attempts = abandoned.attempts;
+            back
+        }
+    };
+    let swapped = env.compare_and_swap(owned.revision, &next).map_err(store)?;
+    match (found, swapped) {
+        (Err(e), _) => Err(store(e)),
+        (Ok(_), SwapOutcome::Swapped) => Ok(Decision::Replay(replayed(&next))),
+        // Someone overtook us within our own fresh lease: only a clock far
+        // out of step can do that. The next request sees what they wrote.
+        (Ok(_), SwapOutcome::Stale(_)) => Ok(Decision::InProgress(Busy {
+            retry_after_ms: policy.retry_after_ms.max(1),
+            lease_until: now,
+        })),
     }
 }
 
@@ -672,43 +696,44 @@ pub fn reconcile(
         report.examined += 1;
         // Take the key over first, so that no other reconciler or request
         // acts on it while the host is asked.
-        let owned = owned_by_next(&rec, now, policy.lease_ms, false)?;
+        let owned = owned_by_next(&rec, env.now(), policy.lease_ms, false)?;
         if let SwapOutcome::Stale(_) = env.compare_and_swap(rec.revision, &owned).map_err(store)? {
             report.skipped += 1;
             continue;
         }
-        let next = match env.find_result(&rec.key) {
+        let found = env.find_result(&rec.key);
+        // The lookup may have taken a while: stamp the write with the time
+        // it is made.
+        let now = env.now();
+        let mut next = rewrite(&owned, now)?;
+        next.lease_until = None;
+        let outcome = match found {
             Ok(Some(result_ref)) => {
-                report.succeeded += 1;
-                succeeded(&owned, now, policy, Some(result_ref), None)?
+                next = succeeded(&owned, now, policy, Some(result_ref), None)?;
+                &mut report.succeeded
             }
             Ok(None) if policy.expired_lease == ExpiredLease::Manual => {
-                report.left_for_manual += 1;
-                let mut next = rewrite(&owned, now)?;
                 next.status = Status::OutcomeUnknown;
-                next.lease_until = None;
-                next
+                &mut report.left_for_manual
             }
             Ok(None) => {
-                report.released += 1;
-                let mut next = rewrite(&owned, now)?;
                 next.status = Status::Released;
-                next.lease_until = None;
                 next.expires_at = Some(now.saturating_add(policy.retention_ms));
-                next
+                &mut report.released
             }
             Err(_) => {
                 // Put the record back as it was, under the new token, so
                 // that it stays stale and is examined again next time.
-                report.lookup_errors += 1;
-                let mut next = rewrite(&owned, now)?;
                 next.status = rec.status;
                 next.lease_until = rec.lease_until;
-                next
+                &mut report.lookup_errors
             }
         };
-        if let SwapOutcome::Stale(_) = env.compare_and_swap(owned.revision, &next).map_err(store)? {
-            report.skipped += 1;
+        // Counted only once written: a request that took the key over
+        // during a slow lookup wins, and the record counts as skipped.
+        match env.compare_and_swap(owned.revision, &next).map_err(store)? {
+            SwapOutcome::Swapped => *outcome += 1,
+            SwapOutcome::Stale(_) => report.skipped += 1,
         }
     }
     Ok(report)
@@ -742,3 +767,5 @@ pub fn inspect(env: &impl Env, key: &RecordKey) -> Result<Option<KeyStatus>, Eng
         expired: is_expired(&rec, now),
     }))
 }
+#[cfg(test)]
+mod tests;
