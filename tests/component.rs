@@ -48,3 +48,52 @@ fn loading_a_missing_file_names_the_file() -> Result<()> {
     }
     Ok(())
 }
+
+/// A guest that runs out of memory traps mid-call: the caller gets a trap
+/// error, nothing is written, and the next call runs on a fresh instance.
+#[test]
+fn a_trapping_call_writes_nothing_and_the_next_call_works() -> Result<()> {
+    use idem::{BeginRequest, Decision, Policy, RecordKey, Storage, StoredResponse, Success};
+
+    let store = MemoryStore::new();
+    let engine = Engine::builder()
+        .storage(store.clone())
+        .memory_limit(4 * 1024 * 1024)
+        .build()?;
+    let big = RecordKey::new("tenant-1", "order.create", "big");
+    let req = BeginRequest::raw(big.clone(), "x", Policy::default());
+    let Decision::Execute(t) = engine.begin(&req)? else {
+        bail!("a new key executes");
+    };
+    // A stored response larger than the guest may hold in memory.
+    let huge = Success {
+        result_ref: Some("order-1".into()),
+        response: Some(StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: vec![b'x'; 1024 * 1024],
+        }),
+    };
+    ensure!(engine.complete(&t, &req.policy, &huge)? == idem::Completion::Recorded);
+    let mut rec = store.get(&big)?.expect("record");
+    let before = rec.clone();
+    rec.response.as_mut().expect("response").body = vec![b'x'; 8 * 1024 * 1024];
+    rec.revision += 1;
+    ensure!(store.compare_and_swap(before.revision, &rec)? == idem::SwapOutcome::Swapped);
+    let stored = store.snapshot();
+    match engine.begin(&req) {
+        Err(Error::Trap(msg)) => ensure!(!msg.is_empty()),
+        other => bail!("expected a trap, got {other:?}"),
+    }
+    ensure!(store.snapshot() == stored, "a trap writes nothing");
+    let small = BeginRequest::raw(
+        RecordKey::new("tenant-1", "order.create", "small"),
+        "x",
+        Policy::default(),
+    );
+    ensure!(
+        matches!(engine.begin(&small)?, Decision::Execute(_)),
+        "a fresh instance serves the next call"
+    );
+    Ok(())
+}

@@ -17,6 +17,12 @@ use crate::clock::{Clock, SystemClock};
 use crate::store::{SqliteStore, Storage, StoreError};
 use crate::types::{Failure, RecordKey, Success, Timestamp};
 
+/// The most linear memory one guest instance may use: 256 MiB holds the
+/// largest body a policy may accept (64 MiB) several times over while it is
+/// canonicalized and hashed, and stops a runaway guest long before the host
+/// feels it.
+pub const DEFAULT_MEMORY_LIMIT: usize = 256 * 1024 * 1024;
+
 /// The guest component built from `guest/` by `build.rs`.
 pub const DEFAULT_GUEST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/idem_guest.wasm"));
 
@@ -89,6 +95,7 @@ struct HostState {
     storage: Arc<dyn Storage>,
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
+    limits: wasmtime::StoreLimits,
 }
 
 impl bindings::idem::engine::types::Host for HostState {}
@@ -197,6 +204,7 @@ struct Shared {
     sqlite: Option<SqliteStore>,
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
+    memory_limit: usize,
     /// Idle instances, reused across calls; an instance that trapped is
     /// never put back.
     idle: Mutex<Vec<Instance>>,
@@ -209,9 +217,18 @@ pub struct EngineBuilder {
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
     guest: Option<Vec<u8>>,
+    memory_limit: usize,
 }
 
 impl EngineBuilder {
+    /// The most linear memory one guest instance may use, in bytes;
+    /// [`DEFAULT_MEMORY_LIMIT`] by default. A call that needs more traps:
+    /// it fails with [`Error::Trap`] and its instance is discarded.
+    pub fn memory_limit(mut self, bytes: usize) -> Self {
+        self.memory_limit = bytes;
+        self
+    }
+
     /// The storage backend. Required.
     pub fn storage<S: Storage>(mut self, storage: S) -> Self {
         self.sqlite = (&storage as &dyn Any)
@@ -269,6 +286,7 @@ impl EngineBuilder {
                 sqlite: self.sqlite,
                 clock: self.clock,
                 results: self.results,
+                memory_limit: self.memory_limit,
                 idle: Mutex::new(Vec::new()),
             }),
         })
@@ -320,6 +338,7 @@ impl Engine {
             clock: Arc::new(SystemClock::new()),
             results: Arc::new(NoLookup),
             guest: None,
+            memory_limit: DEFAULT_MEMORY_LIMIT,
         }
     }
 
@@ -354,8 +373,12 @@ impl Engine {
             storage: self.shared.storage.clone(),
             clock: self.shared.clock.clone(),
             results: self.shared.results.clone(),
+            limits: wasmtime::StoreLimitsBuilder::new()
+                .memory_size(self.shared.memory_limit)
+                .build(),
         };
         let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
+        store.limiter(|state| &mut state.limits);
         let idem = self
             .shared
             .loaded
