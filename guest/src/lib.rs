@@ -9,6 +9,7 @@
 //! [`machine::Env`] trait; [`component`] is the thin layer that binds it to
 //! the component's imports and exports.
 #![cfg_attr(target_arch = "wasm32", no_std)]
+#![warn(missing_docs)]
 
 extern crate alloc;
 
