@@ -405,14 +405,10 @@ fn always_final_stores_retryable_failures(h: &Harness) -> Result<()> {
 }
 
 fn outcome_unknown_blocks_the_key(h: &Harness) -> Result<()> {
-    let req = request("k1", "{}");
+    let mut req = request("k1", "{}");
+    req.policy.expired_lease = ExpiredLease::Manual;
     let t = execute(h, &req)?;
-    h.engine.fail(
-        &t,
-        &req.policy,
-        &failure("timeout"),
-        Disposition::OutcomeUnknown,
-    )?;
+    h.engine.fail(&t, &req.policy, &failure("timeout"), Disposition::OutcomeUnknown)?;
     h.clock.advance(10 * req.policy.retention_ms);
     match h.engine.begin(&req)? {
         Decision::OutcomeUnknown(u) => {
@@ -423,6 +419,29 @@ fn outcome_unknown_blocks_the_key(h: &Harness) -> Result<()> {
     }
     ensure!(h.engine.sweep(100)? == 0, "outcome-unknown is never swept");
     ensure!(status_of(h, "k1")? == Some(Status::OutcomeUnknown));
+    Ok(())
+}
+
+fn outcome_unknown_follows_the_policy_once_the_lease_ends(h: &Harness) -> Result<()> {
+    let req = request("k1", "{}");
+    let t = execute(h, &req)?;
+    h.engine.fail(&t, &req.policy, &failure("timeout"), Disposition::OutcomeUnknown)?;
+    h.clock.set(t.lease_until - 1);
+    ensure!(matches!(h.engine.begin(&req)?, Decision::OutcomeUnknown(_)));
+    h.clock.set(t.lease_until);
+    let t2 = execute(h, &req)?;
+    ensure!(t2.fencing_token == 2 && t2.attempt == 2, "take-over: {t2:?}");
+    // Under `reconcile`, the business data is asked first.
+    let mut req = request("k2", "{}");
+    req.policy.expired_lease = ExpiredLease::Reconcile;
+    let t = execute(h, &req)?;
+    h.engine.fail(&t, &req.policy, &failure("timeout"), Disposition::OutcomeUnknown)?;
+    h.results.insert(&key("k2"), "order-2");
+    h.clock.set(t.lease_until);
+    match h.engine.begin(&req)? {
+        Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("order-2")),
+        other => bail!("{other:?}"),
+    }
     Ok(())
 }
 
@@ -860,6 +879,7 @@ suite!(
     retryable_failure_releases_the_key,
     always_final_stores_retryable_failures,
     outcome_unknown_blocks_the_key,
+    outcome_unknown_follows_the_policy_once_the_lease_ends,
     retried_complete_is_idempotent,
     expired_record_is_replaced,
     sweep_deletes_only_expired_settled_records,

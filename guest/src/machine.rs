@@ -131,7 +131,8 @@ pub fn check_record(rec: &StoredRecord, key: &RecordKey) -> Result<(), EngineErr
             rec.expires_at.is_some() && rec.lease_until.is_none() && rec.failure.is_some()
         }
         Status::Released => rec.expires_at.is_some() && rec.lease_until.is_none(),
-        Status::OutcomeUnknown => rec.lease_until.is_none() && rec.expires_at.is_none(),
+        // An unknown outcome keeps the lease of the owner that reported it.
+        Status::OutcomeUnknown => rec.expires_at.is_none(),
     };
     if ok {
         Ok(())
@@ -311,15 +312,19 @@ fn assess(
             Some(f) => Assessment::Answer(Decision::Failed(f.clone())),
             None => return Err(corrupt(rec, "failed without a failure")),
         },
-        Status::OutcomeUnknown => {
-            Assessment::Answer(Decision::OutcomeUnknown(unknown(rec, rec.updated_at)))
-        }
         Status::Released => Assessment::Claim {
             next: Box::new(owned_by_next(rec, now, policy.lease_ms, true)?),
             reconcile_first: false,
         },
         Status::Processing if lease_live(rec, now) => Assessment::Busy(busy(rec, now, policy)),
-        Status::Processing => match policy.expired_lease {
+        // An unknown outcome blocks the key while the reporting owner's
+        // lease lasts (and for good when it had none).
+        Status::OutcomeUnknown if rec.lease_until.is_none() || lease_live(rec, now) => {
+            Assessment::Answer(Decision::OutcomeUnknown(unknown(rec, rec.updated_at)))
+        }
+        // The owner is gone, or its outcome is unknown and its lease over:
+        // the policy decides.
+        Status::Processing | Status::OutcomeUnknown => match policy.expired_lease {
             ExpiredLease::TakeOver => Assessment::Claim {
                 next: Box::new(owned_by_next(rec, now, policy.lease_ms, true)?),
                 reconcile_first: false,
@@ -329,7 +334,10 @@ fn assess(
                 reconcile_first: true,
             },
             ExpiredLease::Manual => {
-                let since = rec.lease_until.unwrap_or(rec.updated_at);
+                let since = match rec.status {
+                    Status::OutcomeUnknown => rec.updated_at,
+                    _ => rec.lease_until.unwrap_or(rec.updated_at),
+                };
                 Assessment::Answer(Decision::OutcomeUnknown(unknown(rec, since)))
             }
         },
@@ -436,6 +444,7 @@ fn settle_after_takeover(
             // the next request asks again instead of waiting out a lease
             // that nobody holds.
             let mut back = rewrite(&owned, now)?;
+            back.status = abandoned.status;
             back.lease_until = abandoned.lease_until;
             back.attempts = abandoned.attempts;
             back
@@ -618,7 +627,12 @@ pub fn fail(
         |rec, now| {
             let mut next = rewrite(rec, now)?;
             next.status = status;
-            next.lease_until = None;
+            // An unknown outcome keeps the lease: duplicates are told the
+            // outcome is unknown until it ends, then the policy decides.
+            next.lease_until = match disposition {
+                Disposition::OutcomeUnknown => rec.lease_until,
+                _ => None,
+            };
             next.result_ref = None;
             next.failure = Some(failure.clone());
             next.response = match disposition {

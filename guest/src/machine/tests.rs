@@ -693,10 +693,10 @@ fn begin_after_a_final_failure_answers_failed() {
 }
 
 #[test]
-fn begin_after_an_unknown_outcome_is_blocked_for_good() {
+fn begin_after_an_unknown_outcome_is_blocked_while_the_lease_lasts() {
     let env = Fake::new();
-    let p = policy();
-    let (k, _) = settled_in(&env, Status::OutcomeUnknown, &p);
+    let p = policy_with(ExpiredLease::Manual);
+    let (k, t) = settled_in(&env, Status::OutcomeUnknown, &p);
     let expected = Decision::OutcomeUnknown(UnknownInfo {
         since: T0 + 10,
         attempts: 1,
@@ -704,11 +704,49 @@ fn begin_after_an_unknown_outcome_is_blocked_for_good() {
     });
     let before = env.snapshot();
     assert_eq!(decide(&env, &k, 1, &p), expected);
-    // It never expires: not past retention, not through sweep.
+    env.set_time(t.lease_until - 1);
+    assert_eq!(decide(&env, &k, 1, &p), expected);
+    // Under `manual` it stays blocked for good: not past retention, not
+    // through sweep.
     env.advance(RETENTION * 3);
     assert_eq!(decide(&env, &k, 1, &p), expected);
     assert_eq!(sweep(&env, 100), Ok(0));
     assert_eq!(env.snapshot(), before);
+}
+
+#[test]
+fn an_unknown_outcome_is_handled_by_the_policy_once_the_lease_ends() {
+    for expired in ALL_EXPIRED_LEASE {
+        let env = Fake::new();
+        let p = policy_with(expired);
+        let (k, t) = settled_in(&env, Status::OutcomeUnknown, &p);
+        env.set_time(t.lease_until - 1);
+        assert!(matches!(
+            decide(&env, &k, 1, &p),
+            Decision::OutcomeUnknown(_)
+        ));
+        env.set_time(t.lease_until);
+        match (expired, decide(&env, &k, 1, &p)) {
+            (ExpiredLease::TakeOver | ExpiredLease::Reconcile, Decision::Execute(t2)) => {
+                assert_eq!((t2.fencing_token, t2.attempt), (2, 2), "{expired:?}");
+            }
+            (ExpiredLease::Manual, Decision::OutcomeUnknown(u)) => assert_eq!(u.since, T0 + 10),
+            (e, d) => panic!("{e:?}: unexpected {d:?}"),
+        }
+    }
+}
+
+#[test]
+fn an_unknown_outcome_without_a_lease_is_blocked_for_good() {
+    let env = Fake::new();
+    let p = policy();
+    let (k, _) = settled_in(&env, Status::OutcomeUnknown, &p);
+    env.edit(&k, |r| r.lease_until = None);
+    env.advance(RETENTION * 3);
+    assert!(matches!(
+        decide(&env, &k, 1, &p),
+        Decision::OutcomeUnknown(_)
+    ));
 }
 
 #[test]
@@ -1307,7 +1345,9 @@ fn fail_outcome_unknown_blocks_the_key() {
     let p = policy();
     let (k, _) = settled_in(&env, Status::OutcomeUnknown, &p);
     let rec = env.record(&k).expect("stored");
-    assert_eq!((rec.lease_until, rec.expires_at), (None, None));
+    let lease = env.record(&k).and_then(|r| r.lease_until);
+    assert!(lease.is_some(), "the reporting owner's lease is kept");
+    assert_eq!(rec.expires_at, None);
     assert_eq!(rec.failure, Some(failure("timeout")));
     assert_eq!(check_record(&rec, &k), Ok(()));
     assert!(matches!(
@@ -2030,9 +2070,6 @@ fn corruptions() -> Vec<(&'static str, Tamper)> {
         ("released without an expiry", |r| {
             settle_fields(r, Status::Released);
             r.expires_at = None;
-        }),
-        ("outcome-unknown with a lease", |r| {
-            r.status = Status::OutcomeUnknown;
         }),
         ("outcome-unknown with an expiry", |r| {
             settle_fields(r, Status::OutcomeUnknown);
