@@ -408,7 +408,12 @@ fn outcome_unknown_blocks_the_key(h: &Harness) -> Result<()> {
     let mut req = request("k1", "{}");
     req.policy.expired_lease = ExpiredLease::Manual;
     let t = execute(h, &req)?;
-    h.engine.fail(&t, &req.policy, &failure("timeout"), Disposition::OutcomeUnknown)?;
+    h.engine.fail(
+        &t,
+        &req.policy,
+        &failure("timeout"),
+        Disposition::OutcomeUnknown,
+    )?;
     h.clock.advance(10 * req.policy.retention_ms);
     match h.engine.begin(&req)? {
         Decision::OutcomeUnknown(u) => {
@@ -425,17 +430,30 @@ fn outcome_unknown_blocks_the_key(h: &Harness) -> Result<()> {
 fn outcome_unknown_follows_the_policy_once_the_lease_ends(h: &Harness) -> Result<()> {
     let req = request("k1", "{}");
     let t = execute(h, &req)?;
-    h.engine.fail(&t, &req.policy, &failure("timeout"), Disposition::OutcomeUnknown)?;
+    h.engine.fail(
+        &t,
+        &req.policy,
+        &failure("timeout"),
+        Disposition::OutcomeUnknown,
+    )?;
     h.clock.set(t.lease_until - 1);
     ensure!(matches!(h.engine.begin(&req)?, Decision::OutcomeUnknown(_)));
     h.clock.set(t.lease_until);
     let t2 = execute(h, &req)?;
-    ensure!(t2.fencing_token == 2 && t2.attempt == 2, "take-over: {t2:?}");
+    ensure!(
+        t2.fencing_token == 2 && t2.attempt == 2,
+        "take-over: {t2:?}"
+    );
     // Under `reconcile`, the business data is asked first.
     let mut req = request("k2", "{}");
     req.policy.expired_lease = ExpiredLease::Reconcile;
     let t = execute(h, &req)?;
-    h.engine.fail(&t, &req.policy, &failure("timeout"), Disposition::OutcomeUnknown)?;
+    h.engine.fail(
+        &t,
+        &req.policy,
+        &failure("timeout"),
+        Disposition::OutcomeUnknown,
+    )?;
     h.results.insert(&key("k2"), "order-2");
     h.clock.set(t.lease_until);
     match h.engine.begin(&req)? {

@@ -30,6 +30,7 @@ pub mod api;
 mod bindings;
 pub mod clock;
 pub mod engine;
+pub mod proxy;
 pub mod store;
 pub mod types;
 

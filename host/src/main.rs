@@ -1,0 +1,407 @@
+//! `idem`: the idempotency proxy (`idem serve`) and its operator commands
+//! (`inspect`, `sweep`, `reconcile`, `stats`) against the same database.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use idem::proxy::{Proxy, ProxyConfig, serve};
+use idem::{Engine, KeyStatus, ReconcileReport, RecordKey, SqliteStore, Status, Storage};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// An idempotency proxy and engine: the first request for a key runs, its
+/// duplicates get the stored answer.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version)]
+struct Cli {
+    /// The SQLite database (created with its schema on first use).
+    #[arg(long, global = true, default_value = "./idem.db")]
+    db: PathBuf,
+    /// The TOML configuration file (see idem.example.toml).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// Print machine-readable JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the HTTP proxy in front of an upstream.
+    Serve {
+        /// The address to listen on (port 0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// The upstream, e.g. http://127.0.0.1:9000.
+        #[arg(long)]
+        upstream: String,
+        /// The address of the admin server (/healthz, /metrics); none by default.
+        #[arg(long)]
+        admin: Option<String>,
+    },
+    /// Show the stored state of one key.
+    Inspect {
+        /// The key's scope (e.g. anonymous, auth:<sha256>, hdr:<tenant>).
+        #[arg(long)]
+        scope: String,
+        /// The key's biz type (http unless a route names another).
+        #[arg(long)]
+        biz: String,
+        /// The idempotency key.
+        #[arg(long)]
+        key: String,
+    },
+    /// Delete every expired key, in batches.
+    Sweep {
+        /// Keys per batch (default: sweep_batch from the config, 1000).
+        #[arg(long)]
+        limit: Option<u32>,
+    },
+    /// Settle stale keys of a biz type (expired leases, outcome unknown).
+    Reconcile {
+        /// The biz type; its policy comes from --config or the defaults.
+        #[arg(long)]
+        biz: String,
+        /// The most keys to examine.
+        #[arg(long, default_value_t = 1000)]
+        limit: u32,
+    },
+    /// Count the stored keys by state.
+    Stats,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_logging();
+    let config = match &cli.config {
+        Some(path) => ProxyConfig::from_file(path)?,
+        None => ProxyConfig::default(),
+    };
+    match &cli.command {
+        Command::Serve {
+            listen,
+            upstream,
+            admin,
+        } => run_serve(&cli.db, config, listen, upstream, admin.as_deref()),
+        Command::Inspect { scope, biz, key } => {
+            let engine = engine(&open(&cli.db)?)?;
+            let status =
+                engine.inspect(&RecordKey::new(scope.as_str(), biz.as_str(), key.as_str()))?;
+            print_inspect(cli.json, scope, biz, key, status.as_ref())
+        }
+        Command::Sweep { limit } => {
+            let engine = engine(&open(&cli.db)?)?;
+            let batch = limit.unwrap_or(config.sweep_batch);
+            if batch == 0 {
+                bail!("--limit must be at least 1");
+            }
+            let mut total = 0u64;
+            loop {
+                let deleted = engine.sweep(batch)?;
+                if deleted == 0 {
+                    break;
+                }
+                total += u64::from(deleted);
+            }
+            if cli.json {
+                println!("{}", serde_json::json!({ "deleted": total }));
+            } else {
+                println!("deleted {total} expired keys");
+            }
+            Ok(())
+        }
+        Command::Reconcile { biz, limit } => {
+            let engine = engine(&open(&cli.db)?)?;
+            let policy = config.policy_for(biz);
+            let report = engine.reconcile(biz, &policy, *limit)?;
+            print_reconcile(cli.json, biz, &report)
+        }
+        Command::Stats => {
+            let store = open(&cli.db)?;
+            let counts = store.count_by_status()?;
+            print_stats(cli.json, &counts)
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn open(db: &Path) -> Result<SqliteStore> {
+    SqliteStore::open(db, Default::default())
+        .with_context(|| format!("cannot open the database {}", db.display()))
+}
+
+fn engine(store: &SqliteStore) -> Result<Engine> {
+    Ok(Engine::builder().storage(store.clone()).build()?)
+}
+
+fn run_serve(
+    db: &Path,
+    config: ProxyConfig,
+    listen: &str,
+    upstream: &str,
+    admin: Option<&str>,
+) -> Result<()> {
+    let upstream: http::Uri = upstream
+        .parse()
+        .with_context(|| format!("--upstream '{upstream}' is not a URI"))?;
+    let store = open(db)?;
+    let engine = engine(&store)?;
+    let store: Arc<dyn Storage> = Arc::new(store);
+    let proxy = Proxy::new(engine, store, config, upstream)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    // Dropping the runtime waits for engine calls still running on blocking
+    // threads: each is finished, none is cut half-way.
+    runtime.block_on(serve_until_signal(proxy, listen, admin))
+}
+
+async fn serve_until_signal(proxy: Proxy, listen: &str, admin: Option<&str>) -> Result<()> {
+    // Install the signal handlers before announcing the address: a signal
+    // sent as soon as the line is read must stop the server cleanly.
+    let signals = Signals::install()?;
+    let admin_listener = match admin {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --admin {addr}"))?,
+        ),
+        None => None,
+    };
+    let listener = TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on --listen {listen}"))?;
+    {
+        let mut out = std::io::stdout().lock();
+        if let Some(l) = &admin_listener {
+            writeln!(out, "idem admin on http://{}", l.local_addr()?)?;
+        }
+        writeln!(out, "idem listening on http://{}", listener.local_addr()?)?;
+        out.flush()?;
+    }
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        signals.recv().await;
+        tracing::info!("shutting down: finishing the requests in flight");
+        let _ = stop_tx.send(true);
+    });
+    let sweeper = proxy.spawn_sweeper();
+    let admin_task = admin_listener.map(|l| {
+        let router = proxy.admin_router();
+        tokio::spawn(serve(l, router, stopped(stop_rx.clone())))
+    });
+    let result = serve(listener, proxy.router(), stopped(stop_rx)).await;
+    if let Some(s) = sweeper {
+        s.abort();
+    }
+    if let Some(task) = admin_task {
+        match task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "the admin server failed"),
+            Err(e) => tracing::error!(error = %e, "the admin server stopped"),
+        }
+    }
+    result?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Completes when the stop flag is set (or its sender is gone).
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// SIGINT and SIGTERM, listened for from creation on.
+struct Signals {
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    #[cfg(unix)]
+    fn install() -> Result<Signals> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            interrupt: signal(SignalKind::interrupt()).context("cannot handle SIGINT")?,
+            terminate: signal(SignalKind::terminate()).context("cannot handle SIGTERM")?,
+        })
+    }
+
+    #[cfg(not(unix))]
+    fn install() -> Result<Signals> {
+        Ok(Signals {})
+    }
+
+    /// Completes on the first SIGINT or SIGTERM.
+    #[cfg(unix)]
+    async fn recv(mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
+
+    /// Completes on Ctrl-C.
+    #[cfg(not(unix))]
+    async fn recv(self) {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+fn print_inspect(
+    json: bool,
+    scope: &str,
+    biz: &str,
+    key: &str,
+    status: Option<&KeyStatus>,
+) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+        return Ok(());
+    }
+    let Some(s) = status else {
+        println!("no record for scope '{scope}', biz type '{biz}', key '{key}'");
+        return Ok(());
+    };
+    let opt = |t: Option<u64>| t.map(timestamp).unwrap_or_else(|| "-".into());
+    println!("scope:               {scope}");
+    println!("biz type:            {biz}");
+    println!("key:                 {key}");
+    println!(
+        "status:              {}{}",
+        s.status.as_str(),
+        if s.expired {
+            " (expired: counts as absent)"
+        } else {
+            ""
+        }
+    );
+    println!("created at:          {}", timestamp(s.created_at));
+    println!("updated at:          {}", timestamp(s.updated_at));
+    println!("expires at:          {}", opt(s.expires_at));
+    println!("lease until:         {}", opt(s.lease_until));
+    println!(
+        "result ref:          {}",
+        s.result_ref.as_deref().unwrap_or("-")
+    );
+    println!("attempts:            {}", s.attempts);
+    println!("fencing token:       {}", s.fencing_token);
+    println!(
+        "fingerprint:         {} (version {})",
+        s.fingerprint, s.fingerprint_version
+    );
+    Ok(())
+}
+
+fn print_reconcile(json: bool, biz: &str, r: &ReconcileReport) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(r)?);
+        return Ok(());
+    }
+    println!("reconciled biz type '{biz}':");
+    println!("  examined:        {}", r.examined);
+    println!("  succeeded:       {}", r.succeeded);
+    println!("  released:        {}", r.released);
+    println!("  left for manual: {}", r.left_for_manual);
+    println!("  skipped:         {}", r.skipped);
+    println!("  lookup errors:   {}", r.lookup_errors);
+    if r.lookup_errors > 0 {
+        println!(
+            "{} key(s) could not be checked: the proxy has no business lookup, so idem cannot tell whether their upstream request took effect. They were left as they were, and still block their keys.",
+            r.lookup_errors
+        );
+    }
+    Ok(())
+}
+
+fn print_stats(json: bool, counts: &[(Status, u64)]) -> Result<()> {
+    let count = |s: Status| {
+        counts
+            .iter()
+            .filter(|(c, _)| *c == s)
+            .map(|(_, n)| *n)
+            .sum::<u64>()
+    };
+    let total: u64 = counts.iter().map(|(_, n)| n).sum();
+    if json {
+        let mut map = serde_json::Map::new();
+        for s in Status::ALL {
+            map.insert(s.as_str().into(), count(s).into());
+        }
+        map.insert("total".into(), total.into());
+        println!("{}", serde_json::to_string_pretty(&map)?);
+        return Ok(());
+    }
+    for s in Status::ALL {
+        println!("{:<16} {}", s.as_str(), count(s));
+    }
+    println!("{:<16} {}", "total", total);
+    Ok(())
+}
+
+/// Milliseconds since the epoch as RFC 3339 UTC, with the raw value.
+fn timestamp(ms: u64) -> String {
+    let secs = ms / 1000;
+    let days = i64::try_from(secs / 86_400).unwrap_or(i64::MAX / 2);
+    let rem = secs % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z ({ms})",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms % 1000
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn timestamps_are_rfc_3339() {
+        assert_eq!(timestamp(0), "1970-01-01T00:00:00.000Z (0)");
+        assert_eq!(
+            timestamp(1_700_000_000_123),
+            "2023-11-14T22:13:20.123Z (1700000000123)"
+        );
+        assert_eq!(
+            timestamp(951_782_400_000),
+            "2000-02-29T00:00:00.000Z (951782400000)"
+        );
+    }
+}

@@ -1,0 +1,521 @@
+//! The upstream side: the HTTP client, header filtering, and what an
+//! upstream answer means for the key.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::response::Response;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Method, StatusCode, Uri, Version, request};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::config::ServerErrors;
+use crate::api::Disposition;
+use crate::types::StoredResponse;
+
+/// The largest response body the engine stores (its `MAX_RESPONSE_BODY_BYTES`).
+/// A larger upstream body is streamed to the caller and not stored.
+pub const MAX_STORED_BODY_BYTES: usize = 16 * 1024 * 1024;
+
+/// The most headers the engine stores with a response.
+pub const MAX_STORED_HEADERS: usize = 128;
+
+/// The header added to every answer served from the store.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The longest time spent connecting to the upstream: a connection that
+/// takes longer is "not sent" (retryable), well before the request timeout.
+const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the upstream call did not produce a response.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UpstreamError {
+    /// Nothing was sent (connection refused, no route, connect timeout):
+    /// the action did not run.
+    #[error("the upstream could not be reached: {0}")]
+    NotSent(String),
+    /// No complete answer within the timeout, after the request may have
+    /// been sent: the action may have run.
+    #[error("the upstream did not answer in time")]
+    Timeout,
+    /// The connection failed after the request may have been sent (reset,
+    /// truncated answer): the action may have run.
+    #[error("the upstream connection failed: {0}")]
+    Failed(String),
+}
+
+/// What an upstream answer means for the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// A success (1xx to 3xx): `complete` with the response.
+    Complete,
+    /// A failure with this disposition: `fail`, storing the response only
+    /// when final.
+    Fail(Disposition),
+}
+
+/// Maps an upstream status to what it means for the key.
+///
+/// - 1xx to 3xx: success;
+/// - 408, 409, 425, 429: retryable (the request may be repeated as is);
+/// - other 4xx: final (stored and replayed);
+/// - 5xx (and anything above): retryable, or final with
+///   `server_errors = "store"`.
+pub fn classify_status(status: StatusCode, server_errors: ServerErrors) -> Verdict {
+    match status.as_u16() {
+        100..=399 => Verdict::Complete,
+        408 | 409 | 425 | 429 => Verdict::Fail(Disposition::Retryable),
+        400..=499 => Verdict::Fail(Disposition::Final),
+        _ => match server_errors {
+            ServerErrors::Retry => Verdict::Fail(Disposition::Retryable),
+            ServerErrors::Store => Verdict::Fail(Disposition::Final),
+        },
+    }
+}
+
+/// True for the hop-by-hop headers a proxy must not forward.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection" | "keep-alive" | "te" | "trailer" | "transfer-encoding" | "upgrade"
+    ) || name.as_str().starts_with("proxy-")
+}
+
+/// Removes the hop-by-hop headers, and those the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    let hop: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| is_hop_by_hop(n))
+        .cloned()
+        .collect();
+    for name in hop {
+        headers.remove(name);
+    }
+}
+
+/// The response as the engine stores it: status, headers in order (names
+/// lowercase), body.
+pub fn to_stored(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> StoredResponse {
+    StoredResponse {
+        status: status.as_u16(),
+        headers: headers
+            .iter()
+            .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+            .collect(),
+        body: body.to_vec(),
+    }
+}
+
+/// True when the engine can store the response whole.
+pub fn storable(headers: &HeaderMap, body_len: usize) -> bool {
+    headers.len() <= MAX_STORED_HEADERS && body_len <= MAX_STORED_BODY_BYTES
+}
+
+/// The HTTP response for a stored one, with `Idempotent-Replayed: true`
+/// when `replayed`. `None` when the stored status is not a valid code.
+pub fn from_stored(stored: &StoredResponse, replayed: bool) -> Option<Response> {
+    let status = StatusCode::from_u16(stored.status).ok()?;
+    let mut response = Response::new(Body::from(stored.body.clone()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
+            (Ok(n), Ok(v)) => {
+                headers.append(n, v);
+            }
+            _ => tracing::warn!("a stored response header could not be rebuilt; it is left out"),
+        }
+    }
+    if replayed {
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    Some(response)
+}
+
+/// An upstream answer read into memory (up to [`MAX_STORED_BODY_BYTES`]).
+#[derive(Debug)]
+pub struct BufferedResponse {
+    /// The status.
+    pub status: StatusCode,
+    /// The headers, hop-by-hop headers removed.
+    pub headers: HeaderMap,
+    /// The body, or its first part when `rest` is set.
+    pub body: Bytes,
+    /// The unread rest of a body larger than the store keeps.
+    pub rest: Option<Incoming>,
+}
+
+impl BufferedResponse {
+    /// True when the whole response fits in the store.
+    pub fn storable(&self) -> bool {
+        self.rest.is_none() && storable(&self.headers, self.body.len())
+    }
+
+    /// The stored form; only meaningful when [`Self::storable`].
+    pub fn to_stored(&self) -> StoredResponse {
+        to_stored(self.status, &self.headers, &self.body)
+    }
+
+    /// The response to send to this caller.
+    pub fn into_response(self) -> Response {
+        let body = match self.rest {
+            None => Body::from(self.body),
+            Some(rest) => Body::new(PrefixedBody {
+                prefix: Some(self.body),
+                rest,
+            }),
+        };
+        let mut response = Response::new(body);
+        *response.status_mut() = self.status;
+        *response.headers_mut() = self.headers;
+        response
+    }
+}
+
+/// A body whose first bytes were already read.
+struct PrefixedBody {
+    prefix: Option<Bytes>,
+    rest: Incoming,
+}
+
+impl hyper::body::Body for PrefixedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        if let Some(prefix) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let mut hint = self.rest.size_hint();
+        if let Some(p) = &self.prefix {
+            let len = u64::try_from(p.len()).unwrap_or(u64::MAX);
+            hint.set_lower(hint.lower().saturating_add(len));
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper.saturating_add(len));
+            }
+        }
+        hint
+    }
+}
+
+/// The upstream server and the client that reaches it.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    scheme: Scheme,
+    authority: Authority,
+    host: HeaderValue,
+    base_path: String,
+    timeout: Duration,
+    client: Client<HttpConnector, Body>,
+}
+
+impl Upstream {
+    /// A client for `uri` (`http://host:port`, optionally with a base
+    /// path), giving up on an answer after `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// A sentence when the URI is not an absolute `http` URI.
+    pub fn new(uri: &Uri, timeout: Duration) -> Result<Upstream, String> {
+        let scheme = uri.scheme().cloned().ok_or_else(|| {
+            format!("the upstream URI '{uri}' has no scheme; use http://host:port")
+        })?;
+        if scheme != Scheme::HTTP {
+            return Err(format!(
+                "the upstream URI '{uri}' is not http: only plain HTTP upstreams are supported"
+            ));
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("the upstream URI '{uri}' has no host"))?;
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|_| format!("the upstream URI '{uri}' has an invalid host"))?;
+        if uri.query().is_some() {
+            return Err(format!("the upstream URI '{uri}' must not have a query"));
+        }
+        let base_path = uri.path().trim_end_matches('/').to_owned();
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout.min(MAX_CONNECT_TIMEOUT)));
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        Ok(Upstream {
+            scheme,
+            authority,
+            host,
+            base_path,
+            timeout,
+            client,
+        })
+    }
+
+    /// How long the proxy waits for an answer.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn request(&self, parts: &request::Parts, body: Body) -> Result<http::Request<Body>, String> {
+        let pq = parts
+            .uri
+            .path_and_query()
+            .map(PathAndQuery::as_str)
+            .unwrap_or("/");
+        let target = format!("{}{pq}", self.base_path);
+        let uri = Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(target)
+            .build()
+            .map_err(|e| format!("cannot build the upstream URI: {e}"))?;
+        let mut headers = parts.headers.clone();
+        strip_hop_by_hop(&mut headers);
+        headers.insert(header::HOST, self.host.clone());
+        let mut request = http::Request::new(body);
+        *request.method_mut() = parts.method.clone();
+        *request.uri_mut() = uri;
+        *request.version_mut() = Version::HTTP_11;
+        *request.headers_mut() = headers;
+        Ok(request)
+    }
+
+    /// Forwards a request and streams the answer back (for requests that
+    /// store nothing). The timeout covers the answer's head only.
+    ///
+    /// # Errors
+    ///
+    /// [`UpstreamError`] when no answer came.
+    pub async fn forward(
+        &self,
+        parts: &request::Parts,
+        body: Body,
+    ) -> Result<Response, UpstreamError> {
+        let request = self.request(parts, body).map_err(UpstreamError::NotSent)?;
+        let is_head = parts.method == Method::HEAD;
+        let answer = tokio::time::timeout(self.timeout, self.client.request(request))
+            .await
+            .map_err(|_| UpstreamError::Timeout)?
+            .map_err(client_error)?;
+        let (mut head, incoming) = answer.into_parts();
+        strip_hop_by_hop(&mut head.headers);
+        let body = if is_head {
+            Body::empty()
+        } else {
+            Body::new(incoming)
+        };
+        Ok(Response::from_parts(head, body))
+    }
+
+    /// Forwards a request and reads the whole answer (up to
+    /// [`MAX_STORED_BODY_BYTES`]) within the timeout.
+    ///
+    /// # Errors
+    ///
+    /// [`UpstreamError`] when no complete answer came.
+    pub async fn forward_buffered(
+        &self,
+        parts: &request::Parts,
+        body: Bytes,
+    ) -> Result<BufferedResponse, UpstreamError> {
+        let request = self
+            .request(parts, Body::from(body))
+            .map_err(UpstreamError::NotSent)?;
+        let exchange = async {
+            let answer = self.client.request(request).await.map_err(client_error)?;
+            let (mut head, mut incoming) = answer.into_parts();
+            strip_hop_by_hop(&mut head.headers);
+            let mut buf: Vec<u8> = Vec::new();
+            while let Some(frame) = incoming.frame().await {
+                let frame = frame.map_err(|e| UpstreamError::Failed(e.to_string()))?;
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > MAX_STORED_BODY_BYTES {
+                        return Ok(BufferedResponse {
+                            status: head.status,
+                            headers: head.headers,
+                            body: Bytes::from(buf),
+                            rest: Some(incoming),
+                        });
+                    }
+                }
+            }
+            Ok(BufferedResponse {
+                status: head.status,
+                headers: head.headers,
+                body: Bytes::from(buf),
+                rest: None,
+            })
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| UpstreamError::Timeout)?
+    }
+}
+
+fn client_error(e: hyper_util::client::legacy::Error) -> UpstreamError {
+    let text = error_chain(&e);
+    if e.is_connect() {
+        UpstreamError::NotSent(text)
+    } else {
+        UpstreamError::Failed(text)
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verdict(code: u16) -> Verdict {
+        classify_status(StatusCode::from_u16(code).unwrap(), ServerErrors::Retry)
+    }
+
+    #[test]
+    fn successes_complete() {
+        for code in [100, 200, 201, 204, 299, 301, 304, 399] {
+            assert_eq!(verdict(code), Verdict::Complete, "{code}");
+        }
+    }
+
+    #[test]
+    fn retryable_client_errors_are_never_stored() {
+        for code in [408, 409, 425, 429] {
+            assert_eq!(
+                verdict(code),
+                Verdict::Fail(Disposition::Retryable),
+                "{code}"
+            );
+            assert_eq!(
+                classify_status(StatusCode::from_u16(code).unwrap(), ServerErrors::Store),
+                Verdict::Fail(Disposition::Retryable),
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn other_client_errors_are_final() {
+        for code in [400, 401, 403, 404, 405, 410, 413, 415, 422, 451, 499] {
+            assert_eq!(verdict(code), Verdict::Fail(Disposition::Final), "{code}");
+        }
+    }
+
+    #[test]
+    fn server_errors_follow_the_policy() {
+        for code in [500, 502, 503, 504, 599] {
+            assert_eq!(
+                verdict(code),
+                Verdict::Fail(Disposition::Retryable),
+                "{code}"
+            );
+            assert_eq!(
+                classify_status(StatusCode::from_u16(code).unwrap(), ServerErrors::Store),
+                Verdict::Fail(Disposition::Final),
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        for (n, v) in [
+            ("connection", "keep-alive, x-private"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "Basic x"),
+            ("proxy-connection", "close"),
+            ("te", "trailers"),
+            ("trailer", "x-sum"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "h2c"),
+            ("x-private", "1"),
+            ("idempotency-key", "k"),
+            ("authorization", "Bearer t"),
+            ("content-type", "application/json"),
+        ] {
+            h.append(
+                HeaderName::from_static(n),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["authorization", "content-type", "idempotency-key"]);
+    }
+
+    #[test]
+    fn stored_responses_round_trip() {
+        let mut h = HeaderMap::new();
+        h.append("set-cookie", HeaderValue::from_static("a=1"));
+        h.append("set-cookie", HeaderValue::from_static("b=2"));
+        h.append("content-type", HeaderValue::from_static("text/plain"));
+        let stored = to_stored(StatusCode::CREATED, &h, b"hello");
+        assert_eq!(stored.status, 201);
+        assert_eq!(stored.headers.len(), 3);
+        let r = from_stored(&stored, true).unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+        assert_eq!(r.headers().get_all("set-cookie").iter().count(), 2);
+        assert_eq!(r.headers()[&IDEMPOTENT_REPLAYED], "true");
+        let first = from_stored(&stored, false).unwrap();
+        assert!(first.headers().get(&IDEMPOTENT_REPLAYED).is_none());
+        let bad = StoredResponse {
+            status: 1000,
+            ..stored
+        };
+        assert!(from_stored(&bad, true).is_none());
+    }
+
+    #[test]
+    fn storable_follows_the_engine_limits() {
+        let h = HeaderMap::new();
+        assert!(storable(&h, MAX_STORED_BODY_BYTES));
+        assert!(!storable(&h, MAX_STORED_BODY_BYTES + 1));
+    }
+
+    #[test]
+    fn upstream_uris_are_checked() {
+        let ok = |s: &str| Upstream::new(&s.parse().unwrap(), Duration::from_secs(1));
+        assert!(ok("http://127.0.0.1:9000").is_ok());
+        assert_eq!(ok("http://127.0.0.1:9000/api/").unwrap().base_path, "/api");
+        assert!(ok("https://example.com").is_err());
+        assert!(ok("/relative").is_err());
+        assert!(ok("http://h/?q=1").is_err());
+    }
+}

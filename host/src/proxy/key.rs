@@ -1,0 +1,271 @@
+//! Reading the `Idempotency-Key` header and deriving the key's scope.
+//!
+//! The key's own rules (length, characters) are the engine's: this module
+//! only turns the header into a string. An empty key is passed on, and the
+//! engine answers `invalid`.
+
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+use sha2::{Digest, Sha256};
+
+/// The `Idempotency-Key` header name.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// Why an `Idempotency-Key` header value could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyHeaderError {
+    /// The value is not UTF-8.
+    #[error("the Idempotency-Key header is not valid UTF-8")]
+    NotUtf8,
+    /// The value contains a control character (such as a tab).
+    #[error("the Idempotency-Key header contains a control character")]
+    ControlCharacter,
+    /// The value starts with `"` but is not a Structured Field string
+    /// (RFC 9651), or carries parameters.
+    #[error(
+        "the Idempotency-Key header starts with '\"' but is not a valid Structured Field string (RFC 9651)"
+    )]
+    InvalidString,
+}
+
+/// The key in an `Idempotency-Key` header value.
+///
+/// Accepts the IETF draft's form, a Structured Field string (`"abc"`, with
+/// `\"` and `\\` escapes), and a bare value (`abc`, taken as it is after
+/// trimming surrounding whitespace); both mean the key `abc`. An empty
+/// value gives an empty key, which the engine refuses.
+///
+/// # Errors
+///
+/// [`KeyHeaderError`] when the value is not UTF-8, contains a control
+/// character, or starts with `"` without being a valid sf-string.
+pub fn parse_idempotency_key(value: &HeaderValue) -> Result<String, KeyHeaderError> {
+    let text = std::str::from_utf8(value.as_bytes()).map_err(|_| KeyHeaderError::NotUtf8)?;
+    let text = text.trim_matches([' ', '\t']);
+    if text.chars().any(char::is_control) {
+        return Err(KeyHeaderError::ControlCharacter);
+    }
+    if !text.starts_with('"') {
+        return Ok(text.to_owned());
+    }
+    let item: sfv::Item = sfv::Parser::new(text)
+        .parse_item()
+        .map_err(|_| KeyHeaderError::InvalidString)?;
+    if !item.params.is_empty() {
+        return Err(KeyHeaderError::InvalidString);
+    }
+    item.bare_item
+        .as_string()
+        .map(|s| s.as_str().to_owned())
+        .ok_or(KeyHeaderError::InvalidString)
+}
+
+/// Why no scope could be derived from the request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScopeError {
+    /// The header occurs more than once.
+    #[error("the {0} header occurs more than once")]
+    Repeated(String),
+    /// The scope header's value is not UTF-8 or contains a control character.
+    #[error("the {0} header must be printable text")]
+    NotText(String),
+}
+
+/// The scope of the request's keys: whose keys they are.
+///
+/// - `hdr:<value>` when `scope_header` is configured and present;
+/// - else `auth:<hex SHA-256 of the Authorization value>`;
+/// - else `anonymous`.
+///
+/// The prefixes keep the forms apart: no header value can produce the scope
+/// of a credential, so one client never receives another's stored response.
+///
+/// # Errors
+///
+/// [`ScopeError`] when the header used occurs more than once, or the scope
+/// header is not text.
+pub fn derive_scope(
+    headers: &HeaderMap,
+    scope_header: Option<&HeaderName>,
+) -> Result<String, ScopeError> {
+    if let Some(name) = scope_header
+        && let Some(value) = single(headers, name)?
+    {
+        let text = std::str::from_utf8(value.as_bytes())
+            .ok()
+            .filter(|t| !t.chars().any(char::is_control))
+            .ok_or_else(|| ScopeError::NotText(name.to_string()))?;
+        return Ok(format!("hdr:{text}"));
+    }
+    if let Some(value) = single(headers, &header::AUTHORIZATION)? {
+        return Ok(format!("auth:{}", hex(&Sha256::digest(value.as_bytes()))));
+    }
+    Ok("anonymous".to_owned())
+}
+
+fn single<'a>(
+    headers: &'a HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<&'a HeaderValue>, ScopeError> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(ScopeError::Repeated(name.to_string()));
+    }
+    Ok(first)
+}
+
+/// Lowercase hex.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(bytes: &[u8]) -> Result<String, KeyHeaderError> {
+        parse_idempotency_key(&HeaderValue::from_bytes(bytes).unwrap())
+    }
+
+    #[test]
+    fn quoted_and_bare_keys_are_the_same() {
+        assert_eq!(parse(b"\"abc\"").unwrap(), "abc");
+        assert_eq!(parse(b"abc").unwrap(), "abc");
+        assert_eq!(parse(b"  abc  ").unwrap(), "abc");
+        assert_eq!(parse(b" \"abc\" ").unwrap(), "abc");
+        let uuid = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+        assert_eq!(parse(format!("\"{uuid}\"").as_bytes()).unwrap(), uuid);
+        assert_eq!(parse(uuid.as_bytes()).unwrap(), uuid);
+    }
+
+    #[test]
+    fn escapes_in_sf_strings_are_decoded() {
+        assert_eq!(parse(br#""a\"b""#).unwrap(), r#"a"b"#);
+        assert_eq!(parse(br#""a\\b""#).unwrap(), r"a\b");
+        assert_eq!(parse(br#""a b""#).unwrap(), "a b");
+    }
+
+    #[test]
+    fn bad_sf_strings_are_refused() {
+        for bad in [
+            &br#""abc"#[..],
+            br#""abc"x"#,
+            br#""a\x""#,
+            br#""abc";p=1"#,
+            br#""a","b""#,
+            br#"""#,
+        ] {
+            assert_eq!(
+                parse(bad),
+                Err(KeyHeaderError::InvalidString),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn bare_values_are_taken_as_they_are() {
+        // The engine judges the characters; the parser does not.
+        assert_eq!(parse(b"a b").unwrap(), "a b");
+        assert_eq!(parse(b"abc\"").unwrap(), "abc\"");
+        assert_eq!(parse(b":YWJj:").unwrap(), ":YWJj:");
+    }
+
+    #[test]
+    fn non_utf8_and_control_characters_are_refused() {
+        assert_eq!(parse(b"ab\xffc"), Err(KeyHeaderError::NotUtf8));
+        assert_eq!(parse(b"a\tb"), Err(KeyHeaderError::ControlCharacter));
+        assert_eq!(parse(b"\"a\tb\""), Err(KeyHeaderError::ControlCharacter));
+    }
+
+    #[test]
+    fn empty_keys_go_to_the_engine() {
+        assert_eq!(parse(b"").unwrap(), "");
+        assert_eq!(parse(b"\"\"").unwrap(), "");
+        assert_eq!(parse(b"   ").unwrap(), "");
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (n, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn scope_from_authorization_is_a_hash() {
+        let s = derive_scope(&headers(&[("authorization", "Bearer abc")]), None).unwrap();
+        // sha256("Bearer abc")
+        let expected = hex(&Sha256::digest(b"Bearer abc"));
+        assert_eq!(s, format!("auth:{expected}"));
+        assert_eq!(s.len(), 5 + 64);
+        assert!(!s.contains("Bearer"));
+        let other = derive_scope(&headers(&[("authorization", "Bearer abd")]), None).unwrap();
+        assert_ne!(s, other);
+    }
+
+    #[test]
+    fn scope_from_a_configured_header() {
+        let name = HeaderName::from_static("x-tenant-id");
+        let h = headers(&[("x-tenant-id", "t-1"), ("authorization", "Bearer abc")]);
+        assert_eq!(derive_scope(&h, Some(&name)).unwrap(), "hdr:t-1");
+        // Not configured: the header is ignored.
+        assert!(derive_scope(&h, None).unwrap().starts_with("auth:"));
+        // Configured but absent: Authorization, then anonymous.
+        let h = headers(&[("authorization", "Bearer abc")]);
+        assert!(derive_scope(&h, Some(&name)).unwrap().starts_with("auth:"));
+        assert_eq!(
+            derive_scope(&HeaderMap::new(), Some(&name)).unwrap(),
+            "anonymous"
+        );
+    }
+
+    #[test]
+    fn scope_without_credentials_is_anonymous() {
+        assert_eq!(derive_scope(&HeaderMap::new(), None).unwrap(), "anonymous");
+    }
+
+    #[test]
+    fn the_two_forms_never_collide() {
+        let name = HeaderName::from_static("x-tenant-id");
+        let auth = derive_scope(&headers(&[("authorization", "x")]), Some(&name)).unwrap();
+        // A tenant header spelling out the credential's scope still differs.
+        let forged = derive_scope(&headers(&[("x-tenant-id", &auth)]), Some(&name)).unwrap();
+        assert_ne!(auth, forged);
+        assert!(forged.starts_with("hdr:auth:"));
+        let anon = derive_scope(&headers(&[("x-tenant-id", "anonymous")]), Some(&name)).unwrap();
+        assert_ne!(anon, "anonymous");
+    }
+
+    #[test]
+    fn repeated_or_binary_scope_headers_are_refused() {
+        let name = HeaderName::from_static("x-tenant-id");
+        let h = headers(&[("x-tenant-id", "a"), ("x-tenant-id", "b")]);
+        assert!(matches!(
+            derive_scope(&h, Some(&name)),
+            Err(ScopeError::Repeated(_))
+        ));
+        let h = headers(&[("authorization", "a"), ("authorization", "b")]);
+        assert!(matches!(
+            derive_scope(&h, None),
+            Err(ScopeError::Repeated(_))
+        ));
+        let mut h = HeaderMap::new();
+        h.insert(name.clone(), HeaderValue::from_bytes(b"t\xff").unwrap());
+        assert!(matches!(
+            derive_scope(&h, Some(&name)),
+            Err(ScopeError::NotText(_))
+        ));
+    }
+}

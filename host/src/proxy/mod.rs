@@ -1,0 +1,893 @@
+//! `idem serve`: an HTTP reverse proxy that makes unsafe requests
+//! idempotent with an `Idempotency-Key` header.
+//!
+//! The proxy decides nothing about keys: it maps each HTTP request to a
+//! [`BeginRequest`], asks the [`Engine`], and maps the [`Decision`] back to
+//! HTTP. Only `execute` reaches the upstream; its answer is stored with
+//! `complete` or `fail` and replayed to duplicates.
+//!
+//! ```no_run
+//! use idem::proxy::{Proxy, ProxyConfig, serve};
+//! use idem::{Engine, SqliteStore, Storage};
+//! use std::sync::Arc;
+//!
+//! # async fn run() -> anyhow::Result<()> {
+//! let store = SqliteStore::open("idem.db", Default::default())?;
+//! let engine = Engine::builder().storage(store.clone()).build()?;
+//! let store: Arc<dyn Storage> = Arc::new(store);
+//! let proxy = Proxy::new(engine, store, ProxyConfig::default(), "http://127.0.0.1:9000".parse()?)?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! serve(listener, proxy.router(), async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(()) }
+//! ```
+
+pub mod admin;
+pub mod config;
+pub mod forward;
+pub mod key;
+pub mod metrics;
+pub mod problem;
+
+#[cfg(test)]
+mod service_tests;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, Uri, header, request};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tracing::Instrument;
+
+pub use config::{
+    ConfigError, InProgressConfig, KeyRequirement, PolicyConfig, ProxyConfig, Route, RouteConfig,
+    RouteTable, ServerErrors,
+};
+pub use forward::{UpstreamError, Verdict, classify_status};
+pub use key::{IDEMPOTENCY_KEY, KeyHeaderError, ScopeError, derive_scope, parse_idempotency_key};
+pub use metrics::Metrics;
+pub use problem::{Problem, ProblemType};
+
+use crate::api::{BeginRequest, BodyKind, Completion, Decision, Disposition, Extension};
+use crate::api::{InputField, InputRule, InvalidInput, Policy, Ticket};
+use crate::engine::{Engine, Error};
+use crate::store::Storage;
+use crate::types::{Failure, RecordKey, Success};
+use forward::{BufferedResponse, Upstream};
+
+/// Why the proxy could not be built or could not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The upstream URI cannot be used.
+    #[error("invalid upstream: {0}")]
+    Upstream(String),
+    /// The server failed.
+    #[error("server error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What the handlers share.
+struct Inner {
+    engine: Engine,
+    store: Arc<dyn Storage>,
+    config: ProxyConfig,
+    routes: RouteTable,
+    upstream: Upstream,
+    metrics: Metrics,
+}
+
+/// A store the proxy can share with its health check: any [`Storage`]
+/// (such as a [`crate::SqliteStore`]) or an `Arc<dyn Storage>`.
+pub trait SharedStorage {
+    /// The store behind an `Arc`.
+    fn into_shared(self) -> Arc<dyn Storage>;
+}
+
+impl<S: Storage> SharedStorage for S {
+    fn into_shared(self) -> Arc<dyn Storage> {
+        Arc::new(self)
+    }
+}
+
+impl SharedStorage for Arc<dyn Storage> {
+    fn into_shared(self) -> Arc<dyn Storage> {
+        self
+    }
+}
+
+/// The proxy: its routers share one engine, one store and one set of
+/// metrics. Cheap to clone.
+#[derive(Clone)]
+pub struct Proxy {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("upstream", &self.inner.upstream)
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Proxy {
+    /// A proxy in front of `upstream` (`http://host:port`, optionally with
+    /// a base path). `store` is the engine's store (a [`Storage`] or an
+    /// `Arc<dyn Storage>`), read directly only by the health check.
+    ///
+    /// Each route's biz type and policy are checked by the engine here (a
+    /// `reconcile` of zero records), so a policy the engine would refuse
+    /// fails now rather than on every request.
+    ///
+    /// # Errors
+    ///
+    /// [`ProxyError::Config`] for an invalid configuration,
+    /// [`ProxyError::Upstream`] for an unusable upstream URI.
+    pub fn new(
+        engine: Engine,
+        store: impl SharedStorage,
+        config: ProxyConfig,
+        upstream: Uri,
+    ) -> Result<Proxy, ProxyError> {
+        let store = store.into_shared();
+        let routes = config.resolve()?;
+        for route in routes.all() {
+            let field = match route.index() {
+                Some(i) => format!("routes[{i}]"),
+                None => "defaults".into(),
+            };
+            if route.policy.expired_lease == crate::api::ExpiredLease::Reconcile {
+                tracing::warn!(
+                    "{field} (biz type '{}') uses expired_lease = \"reconcile\", but the proxy has no business lookup: a key whose lease expires stays blocked (answered 503) until an operator settles it; \"manual\" says so with 409 outcome-unknown",
+                    route.biz_type
+                );
+            }
+            match engine.reconcile(&route.biz_type, &route.policy, 0) {
+                Ok(_) => {}
+                Err(Error::Invalid(i)) => {
+                    return Err(ConfigError::Invalid {
+                        field,
+                        message: i.message,
+                    }
+                    .into());
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not check the policy of {field}");
+                }
+            }
+        }
+        let timeout = Duration::from_millis(config.upstream_timeout_ms);
+        let upstream = Upstream::new(&upstream, timeout).map_err(ProxyError::Upstream)?;
+        Ok(Proxy {
+            inner: Arc::new(Inner {
+                engine,
+                store,
+                config,
+                routes,
+                upstream,
+                metrics: Metrics::new(),
+            }),
+        })
+    }
+
+    /// The proxy's router: every method and path.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .fallback(handle)
+            .with_state(self.inner.clone())
+    }
+
+    /// The admin router: `GET /healthz` and `GET /metrics`.
+    pub fn admin_router(&self) -> Router {
+        admin::router(self.inner.clone())
+    }
+
+    /// The proxy's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ProxyConfig {
+        &self.inner.config
+    }
+
+    /// Deletes expired keys in batches of `sweep_batch` until a batch
+    /// deletes fewer; returns how many were deleted.
+    ///
+    /// # Errors
+    ///
+    /// The engine's error; the batches before it stay deleted.
+    pub async fn sweep(&self) -> Result<u64, Error> {
+        let batch = self.inner.config.sweep_batch;
+        let mut total = 0u64;
+        loop {
+            let deleted = self.inner.blocking(move |e| e.sweep(batch)).await?;
+            total += u64::from(deleted);
+            if deleted < batch {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Starts the background sweep every `sweep_interval_ms`; `None` when
+    /// it is disabled (0). Abort the task to stop it: a batch already
+    /// started finishes on its blocking thread, and is one atomic delete.
+    pub fn spawn_sweeper(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let interval = self.inner.config.sweep_interval_ms;
+        if interval == 0 {
+            return None;
+        }
+        let proxy = self.clone();
+        Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(interval)).await;
+                match proxy.sweep().await {
+                    Ok(0) => tracing::debug!("sweep: nothing expired"),
+                    Ok(n) => tracing::info!(deleted = n, "sweep: expired keys deleted"),
+                    Err(e) => tracing::warn!(error = %e, "sweep failed"),
+                }
+            }
+        }))
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` completes; then stops
+/// accepting and waits for the requests in flight to finish.
+///
+/// # Errors
+///
+/// [`ProxyError::Io`] when the server fails.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ProxyError> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(ProxyError::Io)
+}
+
+/// The body kind for the fingerprint: JSON for `application/json` and
+/// `*/*+json`, raw otherwise.
+pub fn body_kind(headers: &HeaderMap) -> BodyKind {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return BodyKind::Raw;
+    };
+    let essence = value
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let json = essence == "application/json"
+        || essence
+            .split_once('/')
+            .is_some_and(|(t, sub)| !t.is_empty() && sub.len() > 5 && sub.ends_with("+json"));
+    if json { BodyKind::Json } else { BodyKind::Raw }
+}
+
+/// The problem for an `invalid` decision: `key-invalid` for the key,
+/// `body-too-large` (413) for a body over the limit, `invalid-request`
+/// otherwise; the engine's message is the detail.
+pub fn invalid_problem(i: &InvalidInput) -> Problem {
+    let kind = match (i.field, i.rule) {
+        (InputField::IdemKey, _) => ProblemType::KeyInvalid,
+        (InputField::Body, InputRule::TooLong) => ProblemType::BodyTooLarge,
+        _ => ProblemType::InvalidRequest,
+    };
+    let mut p = Problem::new(kind, i.message.clone());
+    if let Ok(field) = serde_json::to_value(i.field) {
+        p = p.with("field", field);
+    }
+    if let Ok(rule) = serde_json::to_value(i.rule) {
+        p = p.with("rule", rule);
+    }
+    p
+}
+
+/// The problem for an engine error: 503 with `Retry-After: 1` when the
+/// store failed, 500 otherwise.
+pub fn engine_error_problem(e: &Error) -> Problem {
+    match e {
+        Error::Store(_) => Problem::new(
+            ProblemType::StoreUnavailable,
+            "The idempotency store did not answer and the request was not forwarded. Retry with the same Idempotency-Key.",
+        )
+        .retry_after_ms(1000),
+        _ => Problem::new(
+            ProblemType::InternalError,
+            "The idempotency engine failed and the request was not forwarded.",
+        ),
+    }
+}
+
+/// `text` cut to at most `max` bytes at a character boundary.
+fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
+}
+
+/// The most bytes read and discarded past the body limit before a 413.
+const DRAIN_MAX_BYTES: u64 = 8 * 1024 * 1024;
+
+/// The longest time spent discarding an oversized body.
+const DRAIN_MAX_TIME: Duration = Duration::from_secs(5);
+
+/// Reads and discards the rest of a body, within [`DRAIN_MAX_BYTES`] and
+/// [`DRAIN_MAX_TIME`].
+async fn drain(mut body: axum::body::Body) {
+    let discard = async {
+        let mut seen = 0u64;
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Some(data) = frame.data_ref() {
+                seen = seen.saturating_add(u64::try_from(data.len()).unwrap_or(u64::MAX));
+                if seen > DRAIN_MAX_BYTES {
+                    return;
+                }
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_MAX_TIME, discard).await;
+}
+
+async fn handle(State(inner): State<Arc<Inner>>, request: Request) -> Response {
+    if config::is_safe_method(request.method()) {
+        return inner.passthrough(request).await;
+    }
+    let route = inner
+        .routes
+        .find(request.method(), request.uri().path())
+        .clone();
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        path = %request.uri().path(),
+        biz_type = %route.biz_type,
+        scope = tracing::field::Empty,
+    );
+    inner.keyed(request, route).instrument(span).await
+}
+
+impl Inner {
+    /// Runs an engine call on a blocking thread; counts store errors.
+    async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Engine) -> Result<R, Error> + Send + 'static,
+    ) -> Result<R, Error> {
+        let engine = self.engine.clone();
+        let answer = match tokio::task::spawn_blocking(move || f(&engine)).await {
+            Ok(answer) => answer,
+            Err(e) => Err(Error::Trap(format!("the engine call did not finish: {e}"))),
+        };
+        if let Err(Error::Store(_)) = &answer {
+            self.metrics.store_error();
+        }
+        answer
+    }
+
+    /// A refusal made by the proxy before asking the engine.
+    fn refuse(&self, problem: Problem) -> Response {
+        self.metrics.request("invalid");
+        tracing::info!(problem = problem.kind.slug(), "request refused");
+        problem.into_response()
+    }
+
+    /// Forwards a request that stores nothing.
+    async fn passthrough(&self, request: Request) -> Response {
+        self.metrics.request("passthrough");
+        let (parts, body) = request.into_parts();
+        let started = Instant::now();
+        let answer = self.upstream.forward(&parts, body).await;
+        self.metrics.upstream_duration(started.elapsed());
+        match answer {
+            Ok(response) => response,
+            Err(e) => {
+                tracing::warn!(error = %e, method = %parts.method, "upstream call failed");
+                match e {
+                    UpstreamError::Timeout => Problem::new(
+                        ProblemType::UpstreamTimeout,
+                        format!(
+                            "The upstream did not answer within {} ms.",
+                            self.config.upstream_timeout_ms
+                        ),
+                    ),
+                    UpstreamError::NotSent(_) | UpstreamError::Failed(_) => Problem::new(
+                        ProblemType::UpstreamUnavailable,
+                        "The upstream could not be reached. Retry later.",
+                    ),
+                }
+                .into_response()
+            }
+        }
+    }
+
+    /// A request that may carry a key.
+    async fn keyed(&self, request: Request, route: Route) -> Response {
+        let mut keys = request.headers().get_all(IDEMPOTENCY_KEY).iter();
+        let key = match (keys.next(), keys.next()) {
+            (None, _) => match route.key_requirement(request.method()) {
+                KeyRequirement::Optional => return self.passthrough(request).await,
+                KeyRequirement::Required => {
+                    return self.refuse(Problem::new(
+                        ProblemType::KeyMissing,
+                        format!(
+                            "{} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it.",
+                            request.method()
+                        ),
+                    ));
+                }
+            },
+            (Some(value), None) => match parse_idempotency_key(value) {
+                Ok(key) => key,
+                Err(e) => {
+                    return self.refuse(Problem::new(
+                        ProblemType::KeyInvalid,
+                        format!(
+                            "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
+                        ),
+                    ));
+                }
+            },
+            (Some(_), Some(_)) => {
+                return self.refuse(Problem::new(
+                    ProblemType::KeyInvalid,
+                    "Several Idempotency-Key headers were sent. Send exactly one.",
+                ));
+            }
+        };
+        let scope = match derive_scope(request.headers(), self.routes.scope_header()) {
+            Ok(scope) => scope,
+            Err(e) => {
+                return self.refuse(
+                    Problem::new(
+                        ProblemType::InvalidRequest,
+                        format!("{e}. Send it once, as printable text."),
+                    )
+                    .with("field", "scope"),
+                );
+            }
+        };
+        tracing::Span::current().record("scope", scope.as_str());
+        tracing::debug!(idempotency_key = %key, "key read");
+
+        let kind = body_kind(request.headers());
+        let (parts, mut body) = request.into_parts();
+        let limit = self.config.max_body_bytes;
+        let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
+        let too_large = || {
+            Problem::new(
+                ProblemType::BodyTooLarge,
+                format!(
+                    "The request body is over the limit of {limit} bytes. Send a smaller body."
+                ),
+            )
+            .with("max_body_bytes", limit)
+        };
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let drain_cap = u64::from(limit).saturating_add(DRAIN_MAX_BYTES);
+        if declared.is_some_and(|len| len > drain_cap) {
+            // Too large even to read and discard: answer at once (the
+            // connection is closed after the answer).
+            return self.refuse(too_large());
+        }
+        let bytes = match Limited::new(&mut body, limit_usize).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                // Read the rest without keeping it, so that a client that
+                // sends the whole body before reading gets the answer.
+                drain(body).await;
+                return self.refuse(too_large());
+            }
+            Err(e) => {
+                tracing::info!(error = %e, "the request body could not be read");
+                return self.refuse(Problem::new(
+                    ProblemType::InvalidRequest,
+                    "The request body could not be read completely. Send it again with the same Idempotency-Key.",
+                ));
+            }
+        };
+
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|pq| pq.as_str())
+            .unwrap_or("/")
+            .to_owned();
+        let begin = BeginRequest {
+            key: RecordKey::new(scope, route.biz_type.clone(), key),
+            attributes: vec![
+                ("method".to_owned(), parts.method.as_str().to_owned()),
+                ("path".to_owned(), path_and_query),
+            ],
+            body_kind: kind,
+            body: bytes.to_vec(),
+            policy: route.policy.clone(),
+        };
+        let decision = match self.blocking(move |e| e.begin(&begin)).await {
+            Ok(decision) => decision,
+            Err(e) => {
+                self.metrics.request("error");
+                tracing::error!(error = %e, "the engine could not decide");
+                return engine_error_problem(&e).into_response();
+            }
+        };
+        self.metrics.request(decision.name());
+        tracing::info!(decision = decision.name(), "decided");
+        match decision {
+            Decision::Execute(ticket) => self.execute(parts, bytes, ticket, &route).await,
+            Decision::Replay(replayed) => match replayed.response {
+                Some(stored) => self.replay(&stored),
+                None => Problem::new(
+                    ProblemType::ResponseNotStored,
+                    "The request with this Idempotency-Key was already processed, but its response was not kept and cannot be replayed. Do not send it again.",
+                )
+                .into_response(),
+            },
+            Decision::InProgress(busy) => Problem::new(
+                ProblemType::RequestInProgress,
+                format!(
+                    "The first request with this Idempotency-Key is still being processed. Retry after {} s with the same key and request.",
+                    problem::retry_after_secs(busy.retry_after_ms)
+                ),
+            )
+            .retry_after_ms(busy.retry_after_ms)
+            .into_response(),
+            Decision::Mismatch(_) => {
+                self.metrics.mismatch();
+                Problem::new(
+                    ProblemType::KeyReused,
+                    "This Idempotency-Key was already used with a different request (method, path or body). Use a new key for a new request.",
+                )
+                .into_response()
+            }
+            Decision::Failed(failure) => match failure.response {
+                Some(stored) => self.replay(&stored),
+                None => Problem::new(
+                    ProblemType::RequestFailed,
+                    "The request with this Idempotency-Key failed for good, and no response was kept. Use a new key to try again.",
+                )
+                .into_response(),
+            },
+            Decision::OutcomeUnknown(_) => Problem::new(
+                ProblemType::OutcomeUnknown,
+                "An earlier attempt with this Idempotency-Key may or may not have taken effect. It will not be executed again until the outcome is settled; do not retry it with a new key before checking whether it took effect.",
+            )
+            .into_response(),
+            Decision::Invalid(i) => invalid_problem(&i).into_response(),
+        }
+    }
+
+    /// An answer served from the store.
+    fn replay(&self, stored: &crate::types::StoredResponse) -> Response {
+        self.metrics.replay();
+        forward::from_stored(stored, true).unwrap_or_else(|| {
+            tracing::error!(
+                status = stored.status,
+                "a stored response has an invalid status"
+            );
+            Problem::new(
+                ProblemType::InternalError,
+                "The stored response for this Idempotency-Key cannot be replayed.",
+            )
+            .into_response()
+        })
+    }
+
+    /// Runs the request once at the upstream and stores its outcome.
+    async fn execute(
+        &self,
+        parts: request::Parts,
+        body: Bytes,
+        ticket: Ticket,
+        route: &Route,
+    ) -> Response {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let heartbeat = tokio::spawn(heartbeat(
+            self.engine.clone(),
+            self.metrics.clone(),
+            ticket.clone(),
+            route.policy.clone(),
+            stopped,
+        ));
+        let started = Instant::now();
+        let answer = self.upstream.forward_buffered(&parts, body).await;
+        self.metrics.upstream_duration(started.elapsed());
+        // Stop the heartbeat and wait for an extend in flight, so that it
+        // never races the outcome below.
+        let _ = stop.send(());
+        let _ = heartbeat.await;
+
+        let policy = &route.policy;
+        match answer {
+            Ok(response) => {
+                self.settle_response(&ticket, policy, route.server_errors, &response)
+                    .await;
+                response.into_response()
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "upstream call failed");
+                let (code, disposition) = match &e {
+                    UpstreamError::NotSent(_) => ("upstream-unavailable", Disposition::Retryable),
+                    UpstreamError::Timeout => ("upstream-timeout", Disposition::OutcomeUnknown),
+                    UpstreamError::Failed(_) => ("upstream-failed", Disposition::OutcomeUnknown),
+                };
+                let failure = Failure {
+                    code: code.to_owned(),
+                    message: truncate(&e.to_string(), 4096),
+                    response: None,
+                };
+                self.settle(&ticket, policy, Outcome::Fail(failure, disposition))
+                    .await;
+                match e {
+                    UpstreamError::NotSent(_) => Problem::new(
+                        ProblemType::UpstreamUnavailable,
+                        "The upstream could not be reached and the request was not sent. Retry with the same Idempotency-Key.",
+                    )
+                    .into_response(),
+                    UpstreamError::Timeout => Problem::new(
+                        ProblemType::OutcomeUnknown,
+                        format!(
+                            "The upstream did not answer within {} ms; the request may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
+                            self.config.upstream_timeout_ms
+                        ),
+                    )
+                    .with_status(http::StatusCode::GATEWAY_TIMEOUT)
+                    .into_response(),
+                    UpstreamError::Failed(_) => Problem::new(
+                        ProblemType::OutcomeUnknown,
+                        "The connection to the upstream failed after the request was sent; it may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
+                    )
+                    .with_status(http::StatusCode::GATEWAY_TIMEOUT)
+                    .into_response(),
+                }
+            }
+        }
+    }
+
+    /// Stores what the upstream's answer means for the key.
+    async fn settle_response(
+        &self,
+        ticket: &Ticket,
+        policy: &Policy,
+        server_errors: ServerErrors,
+        response: &BufferedResponse,
+    ) {
+        let stored = if response.storable() {
+            Some(response.to_stored())
+        } else {
+            tracing::warn!(
+                status = response.status.as_u16(),
+                "the upstream response is larger than the store keeps; it is not stored"
+            );
+            None
+        };
+        let outcome = match classify_status(response.status, server_errors) {
+            Verdict::Complete => Outcome::Complete(Success {
+                result_ref: None,
+                response: stored,
+            }),
+            Verdict::Fail(disposition) => Outcome::Fail(
+                Failure {
+                    code: format!("http-{}", response.status.as_u16()),
+                    message: format!("the upstream answered {}", response.status),
+                    response: if disposition == Disposition::Final {
+                        stored
+                    } else {
+                        None
+                    },
+                },
+                disposition,
+            ),
+        };
+        self.settle(ticket, policy, outcome).await;
+    }
+
+    /// Calls `complete` or `fail`. A response the engine refuses to store
+    /// is dropped and the outcome stored without it.
+    async fn settle(&self, ticket: &Ticket, policy: &Policy, outcome: Outcome) {
+        let mut outcome = outcome;
+        for _ in 0..2 {
+            let (t, p, o) = (ticket.clone(), policy.clone(), outcome.clone());
+            let answer = self
+                .blocking(move |e| match &o {
+                    Outcome::Complete(s) => e.complete(&t, &p, s),
+                    Outcome::Fail(f, d) => e.fail(&t, &p, f, *d),
+                })
+                .await;
+            match answer {
+                Ok(Completion::Recorded) => {
+                    tracing::info!(outcome = outcome.name(), "outcome stored");
+                    return;
+                }
+                Ok(Completion::LostOwnership) => {
+                    tracing::warn!(
+                        "the key was taken over while the upstream ran; this outcome was discarded"
+                    );
+                    return;
+                }
+                Err(Error::Invalid(i)) if outcome.has_response() => {
+                    tracing::warn!(error = %i, "the engine refused to store the response; storing the outcome without it");
+                    outcome = outcome.without_response();
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "the outcome could not be stored; the key stays in progress until its lease ends");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// An outcome to store.
+#[derive(Debug, Clone)]
+enum Outcome {
+    Complete(Success),
+    Fail(Failure, Disposition),
+}
+
+impl Outcome {
+    fn name(&self) -> &'static str {
+        match self {
+            Outcome::Complete(_) => "succeeded",
+            Outcome::Fail(_, Disposition::Final) => "failed",
+            Outcome::Fail(_, Disposition::Retryable) => "released",
+            Outcome::Fail(_, Disposition::OutcomeUnknown) => "outcome-unknown",
+        }
+    }
+
+    fn has_response(&self) -> bool {
+        match self {
+            Outcome::Complete(s) => s.response.is_some(),
+            Outcome::Fail(f, _) => f.response.is_some(),
+        }
+    }
+
+    fn without_response(self) -> Outcome {
+        match self {
+            Outcome::Complete(s) => Outcome::Complete(Success {
+                response: None,
+                ..s
+            }),
+            Outcome::Fail(f, d) => Outcome::Fail(
+                Failure {
+                    response: None,
+                    ..f
+                },
+                d,
+            ),
+        }
+    }
+}
+
+/// Extends the lease every half lease until stopped or ownership is lost.
+async fn heartbeat(
+    engine: Engine,
+    metrics: Metrics,
+    ticket: Ticket,
+    policy: Policy,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let period = Duration::from_millis((policy.lease_ms / 2).max(1));
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            () = tokio::time::sleep(period) => {}
+        }
+        let (e, t, p) = (engine.clone(), ticket.clone(), policy.clone());
+        match tokio::task::spawn_blocking(move || e.extend(&t, &p)).await {
+            Ok(Ok(Extension::Extended(until))) => {
+                tracing::debug!(lease_until = until, "lease extended");
+            }
+            Ok(Ok(Extension::LostOwnership)) => {
+                tracing::warn!("the lease could not be extended: the key was taken over");
+                return;
+            }
+            Ok(Err(e)) => {
+                if let Error::Store(_) = e {
+                    metrics.store_error();
+                }
+                tracing::warn!(error = %e, "the lease could not be extended");
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn kind(ct: &str) -> BodyKind {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+        body_kind(&h)
+    }
+
+    #[test]
+    fn json_content_types_are_fingerprinted_as_json() {
+        assert_eq!(kind("application/json"), BodyKind::Json);
+        assert_eq!(kind("Application/JSON; charset=utf-8"), BodyKind::Json);
+        assert_eq!(kind("application/merge-patch+json"), BodyKind::Json);
+        assert_eq!(kind("application/problem+json"), BodyKind::Json);
+        assert_eq!(kind("text/plain"), BodyKind::Raw);
+        assert_eq!(kind("application/jsonx"), BodyKind::Raw);
+        assert_eq!(kind("application/+json"), BodyKind::Raw);
+        assert_eq!(kind("+json"), BodyKind::Raw);
+        assert_eq!(body_kind(&HeaderMap::new()), BodyKind::Raw);
+    }
+
+    #[test]
+    fn invalid_decisions_map_to_problems() {
+        let key = InvalidInput {
+            field: InputField::IdemKey,
+            rule: InputRule::TooLong,
+            message: "idem-key is too long".into(),
+        };
+        let p = invalid_problem(&key);
+        assert_eq!(p.kind, ProblemType::KeyInvalid);
+        assert_eq!(p.status.as_u16(), 400);
+        let v = p.to_json();
+        assert_eq!(v["field"], "idem-key");
+        assert_eq!(v["rule"], "too-long");
+        assert_eq!(v["detail"], "idem-key is too long");
+
+        let body = InvalidInput {
+            field: InputField::Body,
+            rule: InputRule::TooLong,
+            message: "body is too long".into(),
+        };
+        assert_eq!(invalid_problem(&body).status.as_u16(), 413);
+        let json = InvalidInput {
+            field: InputField::Body,
+            rule: InputRule::NotJson,
+            message: "body is not json".into(),
+        };
+        let p = invalid_problem(&json);
+        assert_eq!(p.kind, ProblemType::InvalidRequest);
+        assert_eq!(p.status.as_u16(), 400);
+        assert_eq!(p.to_json()["rule"], "not-json");
+    }
+
+    #[test]
+    fn engine_errors_map_to_503_or_500() {
+        let store =
+            engine_error_problem(&Error::Store(crate::StoreError::Unavailable("down".into())));
+        assert_eq!(store.status.as_u16(), 503);
+        assert_eq!(store.retry_after_secs, Some(1));
+        // The store's message is not echoed.
+        assert!(!store.to_json().to_string().contains("down"));
+        let trap = engine_error_problem(&Error::Trap("boom".into()));
+        assert_eq!(trap.status.as_u16(), 500);
+    }
+
+    #[test]
+    fn truncation_respects_char_boundaries() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("abcdef", 3), "abc");
+        assert_eq!(truncate("aé", 2), "a");
+    }
+}

@@ -1,0 +1,1030 @@
+//! End-to-end tests of `idem serve`, the HTTP idempotency proxy: the real
+//! `idem` binary in front of a real upstream (`support/upstream.rs`), both
+//! on 127.0.0.1, driven by a blocking HTTP client (`support/serve.rs`).
+//!
+//! Each test has its own upstream, database and proxy process, and counts
+//! what the upstream executed.
+
+#[path = "support/serve.rs"]
+mod serve;
+#[path = "support/upstream.rs"]
+mod upstream;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use serve::{Proxy, Resp, Serve, idem_ok};
+use upstream::{Upstream, refused_port};
+
+/// How long a test may wait for something to arrive.
+const ARRIVAL: Duration = Duration::from_secs(10);
+
+const BODY: &str = r#"{"sku":"A1-secret-sku","qty":2}"#;
+
+/// One test's world: a temporary directory with the database, an upstream
+/// and a proxy in front of it. Dropped in field order: the proxy is killed
+/// first, the directory removed last.
+struct World {
+    proxy: Proxy,
+    up: Upstream,
+    db: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl World {
+    fn start(config: Option<&str>) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let db = dir.path().join("idem.db");
+        let up = Upstream::start()?;
+        let proxy = serve(&up.url(), &db, config)?;
+        Ok(Self {
+            proxy,
+            up,
+            db,
+            _dir: dir,
+        })
+    }
+
+    fn db(&self) -> &str {
+        self.db.to_str().expect("utf-8 temp path")
+    }
+
+    /// Replaces the proxy with a new process on the same database.
+    fn restart(&mut self, config: Option<&str>) -> Result<()> {
+        self.proxy.kill()?;
+        self.proxy = serve(&self.up.url(), &self.db, config)?;
+        Ok(())
+    }
+}
+
+fn serve(upstream: &str, db: &std::path::Path, config: Option<&str>) -> Result<Proxy> {
+    let mut s = Serve::new(upstream, db);
+    if let Some(c) = config {
+        s = s.config(c);
+    }
+    s.start()
+}
+
+/// A first answer: executed, not replayed.
+fn expect_fresh(r: &Resp, status: u16) -> Result<()> {
+    r.expect_status(status)?;
+    ensure!(!r.replayed(), "a first answer marked as replayed: {r:?}");
+    Ok(())
+}
+
+/// Headers a replay may add or set anew: the marker, and what belongs to
+/// the connection or the message framing rather than to the response.
+const NOT_REPLAYED: [&str; 6] = [
+    "idempotent-replayed",
+    "date",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+];
+
+/// A replay of `first`: same status, same body bytes, the same headers
+/// (but those in [`NOT_REPLAYED`]), and `Idempotent-Replayed: true`.
+fn expect_replay_of(r: &Resp, first: &Resp) -> Result<()> {
+    ensure!(
+        r.replayed(),
+        "expected Idempotent-Replayed: true, got status {} headers {:?} body {:?}",
+        r.status,
+        r.headers,
+        r.text()
+    );
+    r.expect_status(first.status)?;
+    ensure!(
+        r.body == first.body,
+        "replayed body differs: {:?} vs {:?}",
+        r.text(),
+        first.text()
+    );
+    let names = first.headers.keys().chain(r.headers.keys());
+    for name in names.filter(|n| !NOT_REPLAYED.contains(&n.as_str())) {
+        let replayed: Vec<_> = r.headers.get_all(name).iter().collect();
+        let original: Vec<_> = first.headers.get_all(name).iter().collect();
+        ensure!(
+            replayed == original,
+            "header {name}: replayed {replayed:?}, first {original:?}"
+        );
+    }
+    Ok(())
+}
+
+/// No hop-by-hop header of the upstream's came through.
+fn expect_no_hop_headers(r: &Resp) -> Result<()> {
+    for name in ["x-upstream-hop", "keep-alive"] {
+        ensure!(
+            r.header(name).is_none(),
+            "{name} forwarded: {:?}",
+            r.headers
+        );
+    }
+    ensure!(
+        r.headers
+            .get_all("connection")
+            .iter()
+            .all(|v| !v.as_bytes().eq_ignore_ascii_case(b"x-upstream-hop")),
+        "the upstream's Connection header forwarded: {:?}",
+        r.headers
+    );
+    Ok(())
+}
+
+fn expect_total(up: &Upstream, n: usize) -> Result<()> {
+    let total = up.total();
+    ensure!(
+        total == n,
+        "the upstream executed {total} requests, expected {n}: {:?}",
+        up.executions()
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Replay, keys and fingerprints
+
+#[test]
+fn first_request_executes_and_duplicate_replays() -> Result<()> {
+    let w = World::start(None)?;
+    let req = w.proxy.post("/orders").key("\"order-1\"").json(BODY);
+    let first = req.send()?;
+    expect_fresh(&first, 201)?;
+    ensure!(first.header("x-order-id") == Some("ord-1"), "{first:?}");
+    ensure!(first.json()?["order_id"] == "ord-1");
+    expect_no_hop_headers(&first)?;
+    expect_total(&w.up, 1)?;
+    let seen = &w.up.executions()[0];
+    ensure!(
+        seen.method == "POST" && seen.target == "/orders",
+        "{seen:?}"
+    );
+    ensure!(
+        seen.body == BODY.as_bytes(),
+        "body forwarded as sent: {seen:?}"
+    );
+
+    for _ in 0..2 {
+        let again = req.send()?;
+        expect_replay_of(&again, &first)?;
+        expect_no_hop_headers(&again)?;
+    }
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn quoted_and_bare_keys_are_the_same_key() -> Result<()> {
+    let w = World::start(None)?;
+    let first = w.proxy.post("/orders").key("\"k-42\"").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    let bare = w.proxy.post("/orders").key("k-42").json(BODY).send()?;
+    expect_replay_of(&bare, &first)?;
+
+    let first = w.proxy.post("/orders").key("k-43").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    let quoted = w.proxy.post("/orders").key("\"k-43\"").json(BODY).send()?;
+    expect_replay_of(&quoted, &first)?;
+    expect_total(&w.up, 2)
+}
+
+#[test]
+fn json_key_order_and_whitespace_do_not_change_the_fingerprint() -> Result<()> {
+    let w = World::start(None)?;
+    let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    let reordered = "{\n  \"qty\" : 2 ,\t\"sku\":   \"A1-secret-sku\"\n}\n";
+    let again = w.proxy.post("/orders").key("k").json(reordered).send()?;
+    expect_replay_of(&again, &first)?;
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn same_key_with_another_body_is_422() -> Result<()> {
+    let w = World::start(None)?;
+    let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    let other = r#"{"sku":"B2-other-secret","qty":3}"#;
+    let r = w.proxy.post("/orders").key("k").json(other).send()?;
+    let p = r.expect_problem(422, "key-reused")?;
+    ensure!(p["title"] == "Idempotency-Key is already used", "{p}");
+    r.expect_not_containing(&[b"B2-other-secret", b"A1-secret-sku", b"ord-1", &first.body])?;
+    expect_total(&w.up, 1)?;
+    // The mismatch changed nothing: the original request still replays.
+    let again = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_replay_of(&again, &first)?;
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn same_key_on_another_endpoint_is_422() -> Result<()> {
+    let w = World::start(None)?;
+    let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    for path in ["/invoices", "/orders?express=1"] {
+        let r = w.proxy.post(path).key("k").json(BODY).send()?;
+        r.expect_problem(422, "key-reused")
+            .with_context(|| format!("POST {path}"))?;
+        r.expect_not_containing(&[b"A1-secret-sku", &first.body])?;
+    }
+    let r = w
+        .proxy
+        .request("PUT", "/orders")
+        .key("k")
+        .json(BODY)
+        .send()?;
+    r.expect_problem(422, "key-reused").context("PUT /orders")?;
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn missing_key_on_post_and_patch_is_400() -> Result<()> {
+    let w = World::start(None)?;
+    for method in ["POST", "PATCH"] {
+        let r = w.proxy.request(method, "/orders").json(BODY).send()?;
+        let p = r
+            .expect_problem(400, "key-missing")
+            .with_context(|| method.to_string())?;
+        ensure!(p["title"] == "Idempotency-Key is missing", "{p}");
+        r.expect_not_containing(&[b"A1-secret-sku"])?;
+    }
+    expect_total(&w.up, 0)
+}
+
+#[test]
+fn put_and_delete_honour_a_key_only_when_present() -> Result<()> {
+    let w = World::start(None)?;
+    // Without a key: passed through, executed every time.
+    for i in 1..=2 {
+        let r = w
+            .proxy
+            .request("PUT", "/things/1")
+            .json(r#"{"v":1}"#)
+            .send()?;
+        expect_fresh(&r, 200)?;
+        expect_total(&w.up, i)?;
+    }
+    // With a key: deduplicated.
+    let first = w
+        .proxy
+        .request("PUT", "/things/2")
+        .key("put-1")
+        .json(r#"{"v":2}"#)
+        .send()?;
+    expect_fresh(&first, 200)?;
+    let again = w
+        .proxy
+        .request("PUT", "/things/2")
+        .key("put-1")
+        .json(r#"{"v":2}"#)
+        .send()?;
+    expect_replay_of(&again, &first)?;
+    expect_total(&w.up, 3)?;
+
+    let first = w.proxy.request("DELETE", "/things/3").key("del-1").send()?;
+    expect_fresh(&first, 200)?;
+    let again = w.proxy.request("DELETE", "/things/3").key("del-1").send()?;
+    expect_replay_of(&again, &first)?;
+    let r = w.proxy.request("DELETE", "/things/4").send()?;
+    expect_fresh(&r, 200)?;
+    expect_total(&w.up, 5)
+}
+
+#[test]
+fn safe_methods_pass_through() -> Result<()> {
+    let w = World::start(None)?;
+    for i in 1..=2 {
+        // Even with a key: a read is not deduplicated.
+        let r = w.proxy.get("/things/1").key("get-key").send()?;
+        expect_fresh(&r, 200)?;
+        ensure!(r.json()?["execution"] == i, "{r:?}");
+    }
+    let r = w.proxy.get("/things/1").send()?;
+    expect_fresh(&r, 200)?;
+    let r = w.proxy.request("HEAD", "/things/1").send()?;
+    expect_fresh(&r, 200)?;
+    let r = w.proxy.request("OPTIONS", "/things/1").send()?;
+    expect_fresh(&r, 200)?;
+    expect_total(&w.up, 5)?;
+    let methods: Vec<String> = w.up.executions().into_iter().map(|e| e.method).collect();
+    ensure!(
+        methods == ["GET", "GET", "GET", "HEAD", "OPTIONS"],
+        "{methods:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn invalid_keys_are_400_and_execute_nothing() -> Result<()> {
+    let w = World::start(None)?;
+    let too_long = "a".repeat(256);
+    let quoted_too_long = format!("\"{too_long}\"");
+    let invalid: [(&str, &[u8]); 7] = [
+        ("256 characters", too_long.as_bytes()),
+        ("256 characters, quoted", quoted_too_long.as_bytes()),
+        ("a space in a bare key", b"abc def"),
+        ("non-ASCII bytes", "cl\u{e9}-\u{1f511}".as_bytes()),
+        ("empty string", b"\"\""),
+        ("unterminated string", b"\"abc"),
+        ("a list, not one item", b"\"a\", \"b\""),
+    ];
+    for (what, key) in invalid {
+        let r = w.proxy.post("/orders").key(key).json(BODY).send()?;
+        r.expect_problem(400, "key-invalid").context(what)?;
+        r.expect_not_containing(&[b"A1-secret-sku"])?;
+    }
+    expect_total(&w.up, 0)?;
+    // The longest valid key.
+    let r = w
+        .proxy
+        .post("/orders")
+        .key("a".repeat(255))
+        .json(BODY)
+        .send()?;
+    expect_fresh(&r, 201).context("a 255-character key is valid")?;
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn clients_are_scoped_by_authorization() -> Result<()> {
+    let w = World::start(None)?;
+    let send = |auth: Option<&str>| {
+        let mut r = w.proxy.post("/orders").key("shared-key").json(BODY);
+        if let Some(a) = auth {
+            r = r.auth(a);
+        }
+        r.send()
+    };
+    let alice = send(Some("Bearer alice-token"))?;
+    expect_fresh(&alice, 201)?;
+    let bob = send(Some("Bearer bob-token"))?;
+    expect_fresh(&bob, 201)?;
+    let anon = send(None)?;
+    expect_fresh(&anon, 201)?;
+    expect_total(&w.up, 3)?;
+    let ids: Vec<_> = [&alice, &bob, &anon]
+        .iter()
+        .map(|r| r.header("x-order-id").map(str::to_string))
+        .collect();
+    ensure!(
+        ids == [
+            Some("ord-1".into()),
+            Some("ord-2".into()),
+            Some("ord-3".into())
+        ],
+        "{ids:?}"
+    );
+
+    expect_replay_of(&send(Some("Bearer alice-token"))?, &alice)?;
+    let bob_again = send(Some("Bearer bob-token"))?;
+    expect_replay_of(&bob_again, &bob)?;
+    bob_again.expect_not_containing(&[b"ord-1", b"ord-3"])?;
+    expect_replay_of(&send(None)?, &anon)?;
+    // Each client's own request reached the upstream with its own credentials.
+    let auths: Vec<_> =
+        w.up.executions()
+            .into_iter()
+            .map(|e| e.authorization)
+            .collect();
+    ensure!(
+        auths
+            == [
+                Some("Bearer alice-token".to_string()),
+                Some("Bearer bob-token".to_string()),
+                None
+            ],
+        "{auths:?}"
+    );
+    expect_total(&w.up, 3)
+}
+
+#[test]
+fn scope_header_names_the_client_when_configured() -> Result<()> {
+    let w = World::start(Some("scope_header = \"X-Tenant-Id\"\n"))?;
+    let send = |tenant: &str, auth: &str| {
+        w.proxy
+            .post("/orders")
+            .key("k")
+            .header("X-Tenant-Id", tenant)
+            .auth(auth)
+            .json(BODY)
+            .send()
+    };
+    let t1 = send("t-1", "Bearer alice")?;
+    expect_fresh(&t1, 201)?;
+    // The tenant is the scope, whatever the credentials.
+    expect_replay_of(&send("t-1", "Bearer bob")?, &t1)?;
+    let t2 = send("t-2", "Bearer alice")?;
+    expect_fresh(&t2, 201)?;
+    t2.expect_not_containing(&[b"ord-1"])?;
+    expect_total(&w.up, 2)
+}
+
+#[test]
+fn optional_key_route_passes_requests_without_a_key() -> Result<()> {
+    let config = r#"
+[[routes]]
+method = "POST"
+path = "/orders"
+biz_type = "order.create"
+key = "optional"
+"#;
+    let w = World::start(Some(config))?;
+    for i in 1..=2 {
+        expect_fresh(&w.proxy.post("/orders").json(BODY).send()?, 201)?;
+        expect_total(&w.up, i)?;
+    }
+    let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    expect_replay_of(&w.proxy.post("/orders").key("k").json(BODY).send()?, &first)?;
+    // Other paths keep the default: POST requires a key.
+    w.proxy
+        .post("/invoices")
+        .json(BODY)
+        .send()?
+        .expect_problem(400, "key-missing")?;
+    expect_total(&w.up, 3)
+}
+
+#[test]
+fn fingerprint_fields_limit_the_request_identity() -> Result<()> {
+    let config = r#"
+[[routes]]
+method = "POST"
+path = "/orders"
+biz_type = "order.create"
+fingerprint_fields = ["/sku", "/qty"]
+"#;
+    let w = World::start(Some(config))?;
+    let first = w
+        .proxy
+        .post("/orders")
+        .key("k")
+        .json(r#"{"sku":"A1","qty":2,"note":"first"}"#)
+        .send()?;
+    expect_fresh(&first, 201)?;
+    // A field outside the fingerprint does not make another request.
+    let again = w
+        .proxy
+        .post("/orders")
+        .key("k")
+        .json(r#"{"note":"second","qty":2,"sku":"A1"}"#)
+        .send()?;
+    expect_replay_of(&again, &first)?;
+    // A field inside it does.
+    let r = w
+        .proxy
+        .post("/orders")
+        .key("k")
+        .json(r#"{"sku":"A1","qty":3,"note":"first"}"#)
+        .send()?;
+    r.expect_problem(422, "key-reused")?;
+    expect_total(&w.up, 1)
+}
+
+// ---------------------------------------------------------------------------
+// Concurrency
+
+#[test]
+fn duplicate_in_flight_is_409_with_retry_after() -> Result<()> {
+    let w = World::start(None)?;
+    let req = w.proxy.post("/slow?ms=700").key("slow-1").json(BODY);
+    let first = std::thread::scope(|s| -> Result<Resp> {
+        let h = s.spawn(|| req.send());
+        w.up.wait_for_total(1, ARRIVAL)?;
+        let dup = req.send()?;
+        let p = dup.expect_problem(409, "request-in-progress")?;
+        ensure!(
+            p["title"] == "A request is outstanding for this Idempotency-Key",
+            "{p}"
+        );
+        let retry_after = dup
+            .header("retry-after")
+            .context("409 without Retry-After")?;
+        retry_after
+            .trim()
+            .parse::<u64>()
+            .with_context(|| format!("Retry-After {retry_after:?} is not delay-seconds"))?;
+        dup.expect_not_containing(&[b"A1-secret-sku"])?;
+        h.join().expect("client thread")
+    })?;
+    expect_fresh(&first, 201)?;
+    expect_replay_of(&req.send()?, &first)?;
+    expect_total(&w.up, 1)
+}
+
+const WAIT: &str = r#"
+[defaults]
+in_progress = { wait_ms = 10000, poll_ms = 20 }
+"#;
+
+#[test]
+fn duplicate_in_flight_waits_for_the_result_when_configured() -> Result<()> {
+    let w = World::start(Some(WAIT))?;
+    let req = w.proxy.post("/slow?ms=500").key("slow-1").json(BODY);
+    let (first, dup) = std::thread::scope(|s| -> Result<(Resp, Resp)> {
+        let h = s.spawn(|| req.send());
+        w.up.wait_for_total(1, ARRIVAL)?;
+        let dup = req.send()?;
+        Ok((h.join().expect("client thread")?, dup))
+    })?;
+    expect_fresh(&first, 201)?;
+    expect_replay_of(&dup, &first)?;
+    expect_total(&w.up, 1)
+}
+
+fn fifty_at_once(w: &World) -> Result<Vec<Resp>> {
+    const N: usize = 50;
+    let barrier = Arc::new(Barrier::new(N));
+    let req = w.proxy.post("/slow?ms=400").key("storm").json(BODY);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..N)
+            .map(|_| {
+                let barrier = Arc::clone(&barrier);
+                let req = req.clone();
+                s.spawn(move || {
+                    barrier.wait();
+                    req.send()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client thread"))
+            .collect()
+    })
+}
+
+#[test]
+fn fifty_concurrent_duplicates_execute_once() -> Result<()> {
+    let w = World::start(None)?;
+    let answers = fifty_at_once(&w)?;
+    expect_total(&w.up, 1)?;
+    let fresh: Vec<&Resp> = answers
+        .iter()
+        .filter(|r| r.status == 201 && !r.replayed())
+        .collect();
+    ensure!(fresh.len() == 1, "{} executed answers", fresh.len());
+    for r in &answers {
+        match r.status {
+            201 => ensure!(r.body == fresh[0].body, "another body: {:?}", r.text()),
+            409 => {
+                r.expect_problem(409, "request-in-progress")?;
+            }
+            other => bail!("status {other}: {:?}", r.text()),
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fifty_concurrent_duplicates_with_wait_all_get_the_result() -> Result<()> {
+    let w = World::start(Some(WAIT))?;
+    let answers = fifty_at_once(&w)?;
+    expect_total(&w.up, 1)?;
+    let fresh: Vec<&Resp> = answers.iter().filter(|r| !r.replayed()).collect();
+    ensure!(fresh.len() == 1, "{} answers not replayed", fresh.len());
+    expect_fresh(fresh[0], 201)?;
+    for r in &answers {
+        if r.replayed() {
+            expect_replay_of(r, fresh[0])?;
+        }
+    }
+    ensure!(answers.iter().filter(|r| r.replayed()).count() == 49);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Body limit
+
+#[test]
+fn body_over_the_configured_limit_is_413() -> Result<()> {
+    let w = World::start(Some("max_body_bytes = 1024\n"))?;
+    let big = format!(r#"{{"pad":"{}"}}"#, "x".repeat(2000));
+    let r = w.proxy.post("/orders").key("big").json(&big).send()?;
+    r.expect_problem(413, "body-too-large")?;
+    r.expect_not_containing(&[b"xxxxxxxxxxxxxxxx"])?;
+    expect_total(&w.up, 0)?;
+    // Under the limit: executed.
+    let r = w.proxy.post("/orders").key("small").json(BODY).send()?;
+    expect_fresh(&r, 201)?;
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn default_body_limit_is_one_mib() -> Result<()> {
+    let w = World::start(None)?;
+    let exact = vec![b'x'; 1 << 20];
+    let r = w
+        .proxy
+        .post("/orders")
+        .key("exact")
+        .body("application/octet-stream", &exact)
+        .send()?;
+    expect_fresh(&r, 201).context("exactly 1 MiB is within the limit")?;
+    expect_total(&w.up, 1)?;
+    let over = vec![b'x'; (1 << 20) + 1];
+    let r = w
+        .proxy
+        .post("/orders")
+        .key("over")
+        .body("application/octet-stream", &over)
+        .send()?;
+    r.expect_problem(413, "body-too-large")?;
+    expect_total(&w.up, 1)
+}
+
+// ---------------------------------------------------------------------------
+// Upstream failures
+
+#[test]
+fn server_errors_are_not_stored() -> Result<()> {
+    let w = World::start(None)?;
+    let mut expected = 0;
+    for code in [500u16, 503] {
+        let path = format!("/fail/{code}");
+        for _ in 0..2 {
+            let r = w
+                .proxy
+                .post(&path)
+                .key(format!("k-{code}"))
+                .json(BODY)
+                .send()?;
+            expected += 1;
+            expect_fresh(&r, code)?;
+            // The upstream's own answer, passed through.
+            ensure!(r.json()?["execution"] == expected, "{r:?}");
+        }
+    }
+    expect_total(&w.up, 4)
+}
+
+#[test]
+fn server_errors_are_stored_on_a_store_route() -> Result<()> {
+    let config = r#"
+[[routes]]
+method = "POST"
+path = "/fail/500"
+biz_type = "fail.store"
+server_errors = "store"
+"#;
+    let w = World::start(Some(config))?;
+    let first = w.proxy.post("/fail/500").key("k").json(BODY).send()?;
+    expect_fresh(&first, 500)?;
+    let again = w.proxy.post("/fail/500").key("k").json(BODY).send()?;
+    expect_replay_of(&again, &first)?;
+    expect_total(&w.up, 1)?;
+    // Other routes keep the default: 503 is retried.
+    for _ in 0..2 {
+        let r = w.proxy.post("/fail/503").key("k2").json(BODY).send()?;
+        expect_fresh(&r, 503)?;
+    }
+    expect_total(&w.up, 3)
+}
+
+#[test]
+fn retryable_client_errors_are_never_stored() -> Result<()> {
+    let w = World::start(None)?;
+    for code in [408u16, 409, 425, 429] {
+        let before = w.up.total();
+        for _ in 0..2 {
+            let r = w
+                .proxy
+                .post(&format!("/fail/{code}"))
+                .key(format!("k-{code}"))
+                .json(BODY)
+                .send()?;
+            expect_fresh(&r, code).with_context(|| format!("upstream {code}"))?;
+        }
+        ensure!(w.up.total() == before + 2, "{code} was not retried");
+    }
+    Ok(())
+}
+
+#[test]
+fn other_client_errors_are_stored_and_replayed() -> Result<()> {
+    let w = World::start(None)?;
+    for code in [404u16, 400] {
+        // Same key on another path would be a mismatch: a key per code.
+        let path = format!("/fail/{code}");
+        let key = format!("k-{code}");
+        let first = w.proxy.post(&path).key(&key).json(BODY).send()?;
+        expect_fresh(&first, code)?;
+        let again = w.proxy.post(&path).key(&key).json(BODY).send()?;
+        expect_replay_of(&again, &first)?;
+    }
+    expect_total(&w.up, 2)
+}
+
+#[test]
+fn connection_refused_is_502_and_retryable() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = dir.path().join("idem.db");
+    let dead = format!("http://127.0.0.1:{}", refused_port()?);
+    let mut proxy = serve(&dead, &db, None)?;
+    for _ in 0..2 {
+        let r = proxy.post("/orders").key("k").json(BODY).send()?;
+        r.expect_problem(502, "upstream-unavailable")?;
+        r.expect_not_containing(&[b"A1-secret-sku"])?;
+    }
+    proxy.kill()?;
+    // The same database behind a live upstream: the key executes.
+    let up = Upstream::start()?;
+    let proxy = serve(&up.url(), &db, None)?;
+    let first = proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    expect_replay_of(&proxy.post("/orders").key("k").json(BODY).send()?, &first)?;
+    expect_total(&up, 1)
+}
+
+fn expect_outcome_unknown(w: &World, path: &str) -> Result<()> {
+    let req = w.proxy.post(path).key("k").json(BODY);
+    let r = req.send()?;
+    r.expect_problem(504, "outcome-unknown")?;
+    r.expect_not_containing(&[b"A1-secret-sku"])?;
+    expect_total(&w.up, 1)?;
+    for _ in 0..2 {
+        let dup = req.send()?;
+        dup.expect_problem(409, "outcome-unknown")?;
+        dup.expect_not_containing(&[b"A1-secret-sku"])?;
+    }
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn upstream_timeout_is_504_outcome_unknown() -> Result<()> {
+    let w = World::start(Some("upstream_timeout_ms = 300\n"))?;
+    expect_outcome_unknown(&w, "/hang")
+}
+
+#[test]
+fn dropped_connection_is_504_outcome_unknown() -> Result<()> {
+    let w = World::start(None)?;
+    expect_outcome_unknown(&w, "/drop")
+}
+
+// ---------------------------------------------------------------------------
+// Processes: restart, crash, signals
+
+#[test]
+fn a_restarted_proxy_still_replays() -> Result<()> {
+    let mut w = World::start(None)?;
+    let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    w.proxy.signal(libc::SIGTERM)?;
+    let status = w.proxy.wait_exit(ARRIVAL)?;
+    ensure!(status.success(), "exit after SIGTERM: {status}");
+    w.restart(None)?;
+    let again = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_replay_of(&again, &first)?;
+    expect_total(&w.up, 1)
+}
+
+/// Starts `POST /slow` through the proxy, kills the proxy (SIGKILL) while
+/// the upstream works on it, and starts a new proxy on the same database.
+fn kill_mid_request(config: &str) -> Result<World> {
+    let mut w = World::start(Some(config))?;
+    std::thread::scope(|s| -> Result<()> {
+        let req = w.proxy.post("/slow?ms=300").key("k").json(BODY);
+        let h = s.spawn(move || req.send());
+        w.up.wait_for_total(1, ARRIVAL)?;
+        w.proxy.kill()?;
+        // The client sees its connection closed; no answer was made.
+        let answer = h.join().expect("client thread");
+        ensure!(answer.is_err(), "an answer from a killed proxy: {answer:?}");
+        Ok(())
+    })?;
+    w.restart(Some(config))?;
+    Ok(w)
+}
+
+/// Retries until the answer is no longer "in progress" (the lease is live
+/// until it expires on the system clock), at most 10 s.
+fn retry_after_lease(w: &World) -> Result<Resp> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = w.proxy.post("/slow?ms=300").key("k").json(BODY).send()?;
+        let in_progress = r.status == 409
+            && r.json()?["type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with("request-in-progress"));
+        if !in_progress {
+            return Ok(r);
+        }
+        ensure!(Instant::now() < deadline, "the lease never expired");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn killed_mid_request_is_taken_over_after_the_lease() -> Result<()> {
+    let config = "[defaults]\nlease_ms = 1000\nexpired_lease = \"take-over\"\n";
+    let w = kill_mid_request(config)?;
+    let r = retry_after_lease(&w)?;
+    expect_fresh(&r, 201)?;
+    expect_total(&w.up, 2)?;
+    expect_replay_of(
+        &w.proxy.post("/slow?ms=300").key("k").json(BODY).send()?,
+        &r,
+    )?;
+    expect_total(&w.up, 2)
+}
+
+#[test]
+fn killed_mid_request_waits_for_an_operator_under_manual() -> Result<()> {
+    let config = "[defaults]\nlease_ms = 1000\nexpired_lease = \"manual\"\n";
+    let w = kill_mid_request(config)?;
+    let r = retry_after_lease(&w)?;
+    r.expect_problem(409, "outcome-unknown")?;
+    expect_total(&w.up, 1)
+}
+
+#[test]
+fn sigterm_lets_the_request_in_flight_finish() -> Result<()> {
+    let mut w = World::start(None)?;
+    let req = w.proxy.post("/slow?ms=600").key("k").json(BODY);
+    let answer = std::thread::scope(|s| -> Result<Result<Resp>> {
+        let h = s.spawn(|| req.send());
+        w.up.wait_for_total(1, ARRIVAL)?;
+        w.proxy.signal(libc::SIGTERM)?;
+        Ok(h.join().expect("client thread"))
+    })?;
+    let answer = answer.context("the request in flight at SIGTERM")?;
+    expect_fresh(&answer, 201)?;
+    let status = w.proxy.wait_exit(ARRIVAL)?;
+    ensure!(status.success(), "exit after SIGTERM: {status}");
+    let listening = w
+        .proxy
+        .stdout_lines()
+        .iter()
+        .filter(|l| l.starts_with("idem listening on "))
+        .count();
+    ensure!(listening == 1, "{:?}", w.proxy.stdout_lines());
+    // The completed request was recorded before the exit.
+    w.restart(None)?;
+    expect_replay_of(&req_again(&w)?, &answer)?;
+    expect_total(&w.up, 1)
+}
+
+fn req_again(w: &World) -> Result<Resp> {
+    w.proxy.post("/slow?ms=600").key("k").json(BODY).send()
+}
+
+#[test]
+fn sigint_stops_an_idle_proxy_cleanly() -> Result<()> {
+    let mut w = World::start(None)?;
+    w.proxy.signal(libc::SIGINT)?;
+    let status = w.proxy.wait_exit(ARRIVAL)?;
+    ensure!(status.success(), "exit after SIGINT: {status}");
+    Ok(())
+}
+
+#[test]
+fn admin_listener_is_announced_first() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let up = Upstream::start()?;
+    let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
+        .admin()
+        .start()?;
+    let admin = proxy.admin.clone().context("admin url")?;
+    ensure!(admin.starts_with("http://127.0.0.1:"), "{admin}");
+    let lines = proxy.stdout_lines();
+    ensure!(
+        lines
+            .first()
+            .is_some_and(|l| l.starts_with("idem admin on "))
+            && lines
+                .get(1)
+                .is_some_and(|l| l.starts_with("idem listening on ")),
+        "{lines:?}"
+    );
+    let addr = admin.trim_start_matches("http://");
+    std::net::TcpStream::connect(addr).context("connecting to the admin listener")?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The CLI on the proxy's database
+
+const ORDER_ROUTE: &str = r#"
+[[routes]]
+method = "POST"
+path = "/orders"
+biz_type = "order.create"
+"#;
+
+/// The scope the proxy derives from an `Authorization` value.
+fn auth_scope(authorization: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(authorization.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("auth:{hex}")
+}
+
+fn inspect(w: &World, scope: &str, biz: &str, key: &str) -> Result<serde_json::Value> {
+    idem_ok(&[
+        "inspect",
+        "--db",
+        w.db(),
+        "--scope",
+        scope,
+        "--biz",
+        biz,
+        "--key",
+        key,
+        "--json",
+    ])?
+    .json()
+}
+
+#[test]
+fn inspect_stats_and_reconcile_report_the_records() -> Result<()> {
+    let w = World::start(Some(ORDER_ROUTE))?;
+    let anon = w.proxy.post("/orders").key("k-anon").json(BODY).send()?;
+    expect_fresh(&anon, 201)?;
+    let r = w
+        .proxy
+        .post("/orders")
+        .key("k-auth")
+        .auth("Bearer inspector")
+        .json(BODY)
+        .send()?;
+    expect_fresh(&r, 201)?;
+    expect_fresh(
+        &w.proxy.post("/fail/404").key("k-404").json(BODY).send()?,
+        404,
+    )?;
+    expect_fresh(
+        &w.proxy.post("/fail/500").key("k-500").json(BODY).send()?,
+        500,
+    )?;
+    w.proxy
+        .post("/drop")
+        .key("k-drop")
+        .json(BODY)
+        .send()?
+        .expect_problem(504, "outcome-unknown")?;
+
+    let rec = inspect(&w, "anonymous", "order.create", "k-anon")?;
+    ensure!(rec["status"] == "succeeded", "{rec}");
+    ensure!(rec["attempts"] == 1 && rec["expired"] == false, "{rec}");
+    let rec = inspect(
+        &w,
+        &auth_scope("Bearer inspector"),
+        "order.create",
+        "k-auth",
+    )?;
+    ensure!(rec["status"] == "succeeded", "{rec}");
+    // Another client's scope has no such record.
+    let rec = inspect(&w, "anonymous", "order.create", "k-auth")?;
+    ensure!(rec.is_null(), "{rec}");
+    let rec = inspect(&w, "anonymous", "http", "k-404")?;
+    ensure!(rec["status"] == "failed", "{rec}");
+    let rec = inspect(&w, "anonymous", "http", "k-500")?;
+    ensure!(rec["status"] == "released", "{rec}");
+    let rec = inspect(&w, "anonymous", "http", "k-drop")?;
+    ensure!(rec["status"] == "outcome-unknown", "{rec}");
+
+    let stats = idem_ok(&["stats", "--db", w.db(), "--json"])?.json()?;
+    let expected = serde_json::json!({
+        "processing": 0, "succeeded": 2, "failed": 1, "released": 1,
+        "outcome-unknown": 1, "total": 5,
+    });
+    ensure!(stats == expected, "stats {stats}, expected {expected}");
+
+    // The proxy has no business lookup: reconcile cannot settle the
+    // outcome-unknown key and leaves it as it is.
+    let report = idem_ok(&["reconcile", "--db", w.db(), "--biz", "http", "--json"])?.json()?;
+    ensure!(report["examined"].as_u64() >= Some(1), "{report}");
+    let rec = inspect(&w, "anonymous", "http", "k-drop")?;
+    ensure!(rec["status"] == "outcome-unknown", "{rec}");
+    Ok(())
+}
+
+#[test]
+fn sweep_deletes_records_after_retention() -> Result<()> {
+    let config = format!("sweep_interval_ms = 0\n[defaults]\nretention_ms = 300\n{ORDER_ROUTE}");
+    let w = World::start(Some(&config))?;
+    let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    ensure!(inspect(&w, "anonymous", "order.create", "k")?["status"] == "succeeded");
+    // Retention runs on the system clock: sweep until the record goes.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut deleted = 0;
+    while deleted == 0 {
+        ensure!(Instant::now() < deadline, "never swept");
+        let out = idem_ok(&["sweep", "--db", w.db(), "--json"])?.json()?;
+        deleted = out["deleted"].as_u64().context("deleted")?;
+        if deleted == 0 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    ensure!(deleted == 1, "deleted {deleted}");
+    ensure!(inspect(&w, "anonymous", "order.create", "k")?.is_null());
+    // Gone: the key executes again.
+    let again = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&again, 201)?;
+    expect_total(&w.up, 2)
+}

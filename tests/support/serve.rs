@@ -1,0 +1,548 @@
+//! Runs the real `idem` binary for the proxy tests (`tests/proxy.rs`):
+//! `idem serve` as a child process, the `inspect`/`stats`/`sweep`/
+//! `reconcile` commands, and a small blocking HTTP client for the test's
+//! own requests (all to 127.0.0.1).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStderr, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use ureq::http;
+
+/// How long `idem serve` may take to print its listening line.
+const STARTUP: Duration = Duration::from_secs(60);
+/// How long a CLI command (`inspect`, `stats`, ...) may take.
+const CLI: Duration = Duration::from_secs(30);
+/// How long one HTTP exchange may take, end to end.
+const HTTP: Duration = Duration::from_secs(20);
+
+/// The `idem` binary of the `host` crate, built once per test process with
+/// the profile of this test build, in the workspace's target directory.
+///
+/// No `--target`: with an explicit target triple cargo puts every artifact
+/// under `target/<triple>/` and would rebuild Wasmtime and the rest of the
+/// dependency tree a second time. Without it the binary is built for the
+/// host, which is what this test process runs on.
+pub fn idem_bin() -> Result<&'static Path> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        escargot::CargoBuild::new()
+            .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+            .package("idem")
+            .bin("idem")
+            .current_release()
+            .arg("--locked")
+            .run()
+            .map(|run| run.path().to_path_buf())
+            .map_err(|e| format!("{e:#}"))
+    })
+    .as_deref()
+    .map_err(|e| anyhow!("building the idem binary failed: {e}"))
+}
+
+/// Collects a child's stderr on a thread, for diagnostics.
+struct StderrSink {
+    text: Arc<Mutex<String>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl StderrSink {
+    fn new(mut stderr: ChildStderr) -> Self {
+        let text = Arc::new(Mutex::new(String::new()));
+        let sink = Arc::clone(&text);
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Self {
+            text,
+            thread: Some(thread),
+        }
+    }
+
+    fn text(&self) -> String {
+        self.text.lock().unwrap().clone()
+    }
+
+    /// Waits for the pipe to close (call after the child exited).
+    fn finish(&mut self) -> String {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.text()
+    }
+}
+
+/// Options for `idem serve`.
+pub struct Serve {
+    upstream: String,
+    db: PathBuf,
+    config: Option<String>,
+    admin: bool,
+}
+
+impl Serve {
+    /// `idem serve --listen 127.0.0.1:0 --upstream UPSTREAM --db DB`.
+    pub fn new(upstream: &str, db: &Path) -> Self {
+        Self {
+            upstream: upstream.to_string(),
+            db: db.to_path_buf(),
+            config: None,
+            admin: false,
+        }
+    }
+
+    /// Writes `toml` next to the database and passes `--config`.
+    pub fn config(mut self, toml: &str) -> Self {
+        self.config = Some(toml.to_string());
+        self
+    }
+
+    /// Passes `--admin 127.0.0.1:0`.
+    pub fn admin(mut self) -> Self {
+        self.admin = true;
+        self
+    }
+
+    /// Starts the proxy and waits for its `idem listening on` line.
+    pub fn start(self) -> Result<Proxy> {
+        let bin = idem_bin()?;
+        let mut cmd = Command::new(bin);
+        cmd.arg("serve")
+            .args(["--listen", "127.0.0.1:0", "--upstream", &self.upstream])
+            .arg("--db")
+            .arg(&self.db);
+        if let Some(toml) = &self.config {
+            let dir = self.db.parent().context("db has no parent")?;
+            // A fresh name per start: a test may start several proxies.
+            let mut n = 0;
+            let path = loop {
+                let p = dir.join(format!("idem-{n}.toml"));
+                if !p.exists() {
+                    break p;
+                }
+                n += 1;
+            };
+            std::fs::write(&path, toml)?;
+            cmd.arg("--config").arg(path);
+        }
+        if self.admin {
+            cmd.args(["--admin", "127.0.0.1:0"]);
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("spawning {}", bin.display()))?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let stderr = StderrSink::new(child.stderr.take().context("stderr")?);
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        let all = Arc::clone(&lines);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                all.lock().unwrap().push(line.clone());
+                // Once nobody listens any more, keep draining the pipe.
+                let _ = tx.send(line);
+            }
+        });
+        let mut proxy = Proxy {
+            child,
+            pid: 0,
+            base: String::new(),
+            admin: None,
+            stdout: lines,
+            stderr,
+            exited: None,
+        };
+        proxy.pid = proxy.child.id();
+        let deadline = Instant::now() + STARTUP;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(url) = line.strip_prefix("idem admin on ") {
+                        proxy.admin = Some(url.trim().to_string());
+                    } else if let Some(url) = line.strip_prefix("idem listening on ") {
+                        proxy.base = url.trim().to_string();
+                        break;
+                    }
+                }
+                Err(e) => {
+                    let _ = proxy.child.kill();
+                    let status = proxy.child.wait().ok();
+                    let err = proxy.stderr.finish();
+                    bail!(
+                        "idem serve printed no listening line ({e}); exit {status:?}; \
+                         stdout {:?}; stderr:\n{err}",
+                        proxy.stdout.lock().unwrap()
+                    );
+                }
+            }
+        }
+        ensure!(
+            proxy.base.starts_with("http://127.0.0.1:"),
+            "listening on {:?}",
+            proxy.base
+        );
+        ensure!(
+            !self.admin || proxy.admin.is_some(),
+            "--admin given but no `idem admin on` line before the listening line"
+        );
+        ensure!(
+            self.admin || proxy.admin.is_none(),
+            "an admin line without --admin"
+        );
+        Ok(proxy)
+    }
+}
+
+/// A running `idem serve`. Dropping it kills it (SIGKILL) and prints its
+/// stderr, which the test harness shows only for a failing test.
+pub struct Proxy {
+    child: Child,
+    pid: u32,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    /// `http://127.0.0.1:PORT` of the admin listener, with `--admin`.
+    pub admin: Option<String>,
+    stdout: Arc<Mutex<Vec<String>>>,
+    stderr: StderrSink,
+    exited: Option<ExitStatus>,
+}
+
+impl Proxy {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub fn request(&self, method: &str, path: &str) -> Req {
+        Req::new(method, &self.url(path))
+    }
+
+    pub fn post(&self, path: &str) -> Req {
+        self.request("POST", path)
+    }
+
+    pub fn get(&self, path: &str) -> Req {
+        self.request("GET", path)
+    }
+
+    /// Sends a signal (`libc::SIGTERM`, `libc::SIGINT`, ...).
+    pub fn signal(&self, signal: i32) -> Result<()> {
+        let pid = i32::try_from(self.pid)?;
+        // SAFETY: kill(2) on our own child's pid; the child is not reaped
+        // before `wait`, so the pid cannot have been reused.
+        let rc = unsafe { libc::kill(pid, signal) };
+        ensure!(rc == 0, "kill: {}", std::io::Error::last_os_error());
+        Ok(())
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) -> Result<()> {
+        if self.exited.is_none() {
+            self.child.kill()?;
+            self.exited = Some(self.child.wait()?);
+        }
+        Ok(())
+    }
+
+    /// Waits for the process to exit by itself, at most `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
+        if let Some(s) = self.exited {
+            return Ok(s);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                self.exited = Some(status);
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                bail!("idem serve did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Every stdout line so far.
+    pub fn stdout_lines(&self) -> Vec<String> {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    /// Stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.text()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.kill();
+        let err = self.stderr.finish();
+        if !err.is_empty() {
+            eprintln!("--- idem serve (pid {}) stderr:\n{err}", self.pid);
+        }
+    }
+}
+
+/// The output of one CLI command.
+#[derive(Debug)]
+pub struct CliOutput {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CliOutput {
+    /// Stdout parsed as JSON, for `--json`.
+    pub fn json(&self) -> Result<serde_json::Value> {
+        serde_json::from_str(self.stdout.trim())
+            .with_context(|| format!("not JSON: {:?} (stderr {:?})", self.stdout, self.stderr))
+    }
+}
+
+/// Runs `idem ARGS...` to completion, at most 30 s.
+pub fn idem(args: &[&str]) -> Result<CliOutput> {
+    let bin = idem_bin()?;
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut out = child.stdout.take().context("stdout")?;
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let mut err = StderrSink::new(child.stderr.take().context("stderr")?);
+    let deadline = Instant::now() + CLI;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("idem {args:?} did not finish within {CLI:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stdout = reader
+        .join()
+        .map_err(|_| anyhow!("stdout reader panicked"))?;
+    Ok(CliOutput {
+        status,
+        stdout,
+        stderr: err.finish(),
+    })
+}
+
+/// Runs `idem ARGS...` and requires exit status 0.
+pub fn idem_ok(args: &[&str]) -> Result<CliOutput> {
+    let out = idem(args)?;
+    ensure!(
+        out.status.success(),
+        "idem {args:?} exited {}: stdout {:?} stderr {:?}",
+        out.status,
+        out.stdout,
+        out.stderr
+    );
+    Ok(out)
+}
+
+fn agent() -> &'static ureq::Agent {
+    static AGENT: OnceLock<ureq::Agent> = OnceLock::new();
+    AGENT.get_or_init(|| {
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .max_redirects(0)
+            .timeout_global(Some(HTTP))
+            .max_idle_connections(64)
+            .max_idle_connections_per_host(64)
+            .build()
+            .into()
+    })
+}
+
+/// One HTTP request of the test's own.
+#[derive(Clone, Debug)]
+pub struct Req {
+    method: String,
+    url: String,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Option<Vec<u8>>,
+}
+
+impl Req {
+    pub fn new(method: &str, url: &str) -> Self {
+        Self {
+            method: method.to_string(),
+            url: url.to_string(),
+            headers: Vec::new(),
+            body: None,
+        }
+    }
+
+    /// Any header, as raw bytes.
+    pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> Self {
+        self.headers
+            .push((name.to_string(), value.as_ref().to_vec()));
+        self
+    }
+
+    /// `Idempotency-Key: VALUE` exactly as given (a bare token, or a
+    /// Structured Field string when the value carries its quotes).
+    pub fn key(self, value: impl AsRef<[u8]>) -> Self {
+        self.header("Idempotency-Key", value)
+    }
+
+    /// `Authorization: VALUE`.
+    pub fn auth(self, value: &str) -> Self {
+        self.header("Authorization", value)
+    }
+
+    /// A JSON body with `Content-Type: application/json`.
+    pub fn json(self, body: &str) -> Self {
+        self.body("application/json", body.as_bytes())
+    }
+
+    /// A body with a content type.
+    pub fn body(mut self, content_type: &str, body: &[u8]) -> Self {
+        self = self.header("Content-Type", content_type);
+        self.body = Some(body.to_vec());
+        self
+    }
+
+    /// Sends it and reads the whole answer.
+    pub fn send(&self) -> Result<Resp> {
+        let mut builder = http::Request::builder()
+            .method(self.method.as_str())
+            .uri(&self.url);
+        for (name, value) in &self.headers {
+            builder = builder.header(name.as_str(), http::HeaderValue::from_bytes(value)?);
+        }
+        let what = format!("{} {}", self.method, self.url);
+        let resp = match &self.body {
+            Some(body) => agent().run(builder.body(body.clone())?),
+            None => agent().run(builder.body(())?),
+        };
+        let mut resp = resp.with_context(|| what.clone())?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let body = if self.method == "HEAD" {
+            Vec::new()
+        } else {
+            resp.body_mut()
+                .with_config()
+                .limit(64 << 20)
+                .read_to_vec()
+                .with_context(|| format!("reading the body of {what}"))?
+        };
+        Ok(Resp {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+/// An HTTP answer, read whole.
+#[derive(Clone, Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// `Idempotent-Replayed: true`.
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed")
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> Result<serde_json::Value> {
+        serde_json::from_slice(&self.body).with_context(|| format!("not JSON: {:?}", self.text()))
+    }
+
+    /// Requires a status.
+    pub fn expect_status(&self, status: u16) -> Result<&Self> {
+        ensure!(
+            self.status == status,
+            "expected status {status}, got {}: headers {:?}, body {:?}",
+            self.status,
+            self.headers,
+            self.text()
+        );
+        Ok(self)
+    }
+
+    /// Requires a problem of the proxy's own: this status,
+    /// `application/problem+json`, a `type` ending in `/TYPE_NAME`, a
+    /// non-empty `title`, a `status` member (when present) equal to the
+    /// status, and no `Idempotent-Replayed: true`. Returns the problem.
+    pub fn expect_problem(&self, status: u16, type_name: &str) -> Result<serde_json::Value> {
+        self.expect_status(status)?;
+        let ct = self.header("content-type").unwrap_or_default();
+        ensure!(
+            ct.starts_with("application/problem+json"),
+            "problem content-type expected, got {ct:?}; body {:?}",
+            self.text()
+        );
+        let p = self.json()?;
+        let ty = p["type"]
+            .as_str()
+            .context("problem without a string `type`")?;
+        ensure!(
+            ty.ends_with(&format!("/{type_name}")) || ty == type_name,
+            "problem type {ty:?} does not end with {type_name:?}; problem {p}"
+        );
+        let title = p["title"].as_str().context("problem without a `title`")?;
+        ensure!(!title.is_empty(), "empty problem title");
+        if let Some(s) = p.get("status") {
+            ensure!(s.as_u64() == Some(u64::from(status)), "problem status {s}");
+        }
+        ensure!(!self.replayed(), "a problem marked as replayed");
+        Ok(p)
+    }
+
+    /// Requires that none of `secrets` appears in the body.
+    pub fn expect_not_containing(&self, secrets: &[&[u8]]) -> Result<&Self> {
+        for s in secrets {
+            ensure!(
+                !s.is_empty() && !self.body.windows(s.len()).any(|w| w == *s),
+                "the answer reveals {:?}: {:?}",
+                String::from_utf8_lossy(s),
+                self.text()
+            );
+        }
+        Ok(self)
+    }
+}
