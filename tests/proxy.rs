@@ -515,6 +515,43 @@ fn duplicate_in_flight_is_409_with_retry_after() -> Result<()> {
     expect_total(&w.up, 1)
 }
 
+/// A client that hangs up while its request is at the upstream must not
+/// leave the key unsettled: the request still completes once and its
+/// outcome is stored, so the retry is a replay, not a second execution.
+#[test]
+fn a_client_hanging_up_mid_request_still_settles_the_key() -> Result<()> {
+    use std::io::Write as _;
+    let w = World::start(Some(WAIT))?;
+    let url = w.proxy.url("/slow?ms=700");
+    let authority = url
+        .strip_prefix("http://")
+        .and_then(|rest| rest.split('/').next())
+        .context("proxy url")?;
+    let mut conn = std::net::TcpStream::connect(authority)?;
+    write!(
+        conn,
+        "POST /slow?ms=700 HTTP/1.1\r\nHost: {authority}\r\nIdempotency-Key: hangup-1\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    )?;
+    conn.flush()?;
+    w.up.wait_for_total(1, ARRIVAL)?;
+    drop(conn); // the client gives up while the upstream works
+    let retry = w
+        .proxy
+        .post("/slow?ms=700")
+        .key("hangup-1")
+        .json(BODY)
+        .send()?;
+    ensure!(
+        retry.status == 201 && retry.replayed(),
+        "expected the stored answer, got {} {:?}",
+        retry.status,
+        retry.text()
+    );
+    expect_total(&w.up, 1)
+}
+
 const WAIT: &str = r#"
 [defaults]
 in_progress = { wait_ms = 10000, poll_ms = 20 }

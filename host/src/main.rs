@@ -206,6 +206,9 @@ async fn serve_until_signal(proxy: Proxy, listen: &str, admin: Option<&str>) -> 
         tokio::spawn(serve(l, router, stopped(stop_rx.clone())))
     });
     let result = serve(listener, proxy.router(), stopped(stop_rx)).await;
+    // Requests whose client hung up are still running: let them store
+    // their outcome before the process exits.
+    proxy.finish().await;
     if let Some(s) = sweeper {
         s.abort();
     }

@@ -41,6 +41,7 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Uri, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 pub use config::{
@@ -81,6 +82,10 @@ struct Inner {
     routes: RouteTable,
     upstream: Upstream,
     metrics: Metrics,
+    /// Keyed requests in flight. Each runs as its own task, so that a
+    /// client that hangs up never cuts a request between the upstream call
+    /// and the stored outcome; shutdown waits for them.
+    tasks: TaskTracker,
 }
 
 /// A store the proxy can share with its health check: any [`Storage`]
@@ -174,8 +179,16 @@ impl Proxy {
                 routes,
                 upstream,
                 metrics: Metrics::new(),
+                tasks: TaskTracker::new(),
             }),
         })
+    }
+
+    /// Waits for every keyed request still in flight (including those whose
+    /// client hung up) to store its outcome. Call after [`serve`] returns.
+    pub async fn finish(&self) {
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
     }
 
     /// The proxy's router: every method and path.
@@ -364,7 +377,26 @@ async fn handle(State(inner): State<Arc<Inner>>, request: Request) -> Response {
         biz_type = %route.biz_type,
         scope = tracing::field::Empty,
     );
-    inner.keyed(request, route).instrument(span).await
+    // A task of its own: if the client hangs up, this handler is dropped,
+    // but the claimed key is still forwarded once and its outcome stored.
+    let task = {
+        let inner = inner.clone();
+        inner
+            .tasks
+            .clone()
+            .spawn(async move { inner.keyed(request, route).await }.instrument(span))
+    };
+    match task.await {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::error!(error = %e, "a request task failed");
+            Problem::new(
+                ProblemType::InternalError,
+                "The request could not be completed. Retry with the same Idempotency-Key.",
+            )
+            .into_response()
+        }
+    }
 }
 
 impl Inner {
