@@ -17,7 +17,7 @@
 //! Run with `cargo run --example coupon_claim`.
 
 use std::cell::Cell;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Result, bail};
 use idem::{
@@ -25,6 +25,9 @@ use idem::{
     KeyFormat, ManualClock, Policy, RecordKey, RunOutcome, SqliteOptions, SqliteStore, StoreError,
     StoredResponse, Success,
 };
+
+mod common;
+use common::TempDb;
 
 /// 2026-01-01T00:00:00Z: the example runs on a manual clock.
 const START: u64 = 1_767_225_600_000;
@@ -277,40 +280,5 @@ fn find_claim(path: &Path, key: &RecordKey) -> Result<Option<String>, StoreError
         Ok(code) => Ok(Some(code)),
         Err(rusqlite::Error::QueryReturnedNoRows) => Ok(None),
         Err(e) => Err(unavailable(e)),
-    }
-}
-
-/// A database file under the system temporary directory, removed (with its
-/// WAL and shared-memory files) when dropped.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new(name: &str) -> Self {
-        let path =
-            std::env::temp_dir().join(format!("idem-example-{name}-{}.db", std::process::id()));
-        let db = TempDb { path };
-        db.remove();
-        db
-    }
-
-    fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn remove(&self) {
-        for suffix in ["", "-wal", "-shm"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            // Absent files are fine: there is nothing to clean up.
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        self.remove();
     }
 }

@@ -24,7 +24,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Result, anyhow, bail};
 use idem::{
@@ -32,6 +32,9 @@ use idem::{
     KeyFormat, ManualClock, Policy, RecordKey, SqliteOptions, SqliteStore, StoreError, Success,
     Timestamp,
 };
+
+mod common;
+use common::TempDb;
 
 /// 2026-01-01T00:00:00Z: the example runs on a manual clock.
 const START: u64 = 1_767_225_600_000;
@@ -408,40 +411,5 @@ fn find_reservation(path: &Path, key: &RecordKey) -> Result<Option<String>, Stor
         Ok(reservation) => Ok(Some(reservation)),
         Err(rusqlite::Error::QueryReturnedNoRows) => Ok(None),
         Err(e) => Err(unavailable(e)),
-    }
-}
-
-/// A database file under the system temporary directory, removed (with its
-/// WAL and shared-memory files) when dropped.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new(name: &str) -> Self {
-        let path =
-            std::env::temp_dir().join(format!("idem-example-{name}-{}.db", std::process::id()));
-        let db = TempDb { path };
-        db.remove();
-        db
-    }
-
-    fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn remove(&self) {
-        for suffix in ["", "-wal", "-shm"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            // Absent files are fine: there is nothing to clean up.
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        self.remove();
     }
 }

@@ -14,7 +14,6 @@
 //! Run with `cargo run --example order_creation`.
 
 use std::cell::Cell;
-use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 use idem::{
@@ -22,6 +21,9 @@ use idem::{
     ManualClock, Policy, RecordKey, RunOutcome, SqliteOptions, SqliteStore, StoredResponse,
     Success,
 };
+
+mod common;
+use common::TempDb;
 
 /// 2026-01-01T00:00:00Z: the examples run on a manual clock.
 const START: u64 = 1_767_225_600_000;
@@ -296,39 +298,4 @@ fn print_response(r: &Response) {
     };
     println!("    {what}");
     println!("    -> HTTP {}{header} {}", r.status, r.body);
-}
-
-/// A database file under the system temporary directory, removed (with its
-/// WAL and shared-memory files) when dropped.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new(name: &str) -> Self {
-        let path =
-            std::env::temp_dir().join(format!("idem-example-{name}-{}.db", std::process::id()));
-        let db = TempDb { path };
-        db.remove();
-        db
-    }
-
-    fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn remove(&self) {
-        for suffix in ["", "-wal", "-shm"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            // Absent files are fine: there is nothing to clean up.
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        self.remove();
-    }
 }
