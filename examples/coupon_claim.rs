@@ -172,14 +172,7 @@ impl CouponService {
                 ),
                 // The business transaction rolled back: nothing was taken,
                 // so the user may try again.
-                Err(e) => ActionResult::Failed(
-                    Failure {
-                        code: "db-error".into(),
-                        message: e.to_string(),
-                        response: None,
-                    },
-                    Disposition::Retryable,
-                ),
+                Err(e) => ActionResult::retryable("db-error", e),
             }
         })?;
 

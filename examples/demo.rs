@@ -69,14 +69,7 @@ fn main() -> Result<()> {
                     "order-{}",
                     conn.last_insert_rowid()
                 ))),
-                Err(e) => ActionResult::Failed(
-                    idem::Failure {
-                        code: "db-error".into(),
-                        message: e.to_string(),
-                        response: None,
-                    },
-                    idem::Disposition::Retryable,
-                ),
+                Err(e) => ActionResult::retryable("db-error", e),
             }
         })
     };

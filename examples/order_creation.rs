@@ -17,9 +17,8 @@ use std::cell::Cell;
 
 use anyhow::{Result, bail};
 use idem::{
-    ActionResult, BeginRequest, Decision, Disposition, Engine, Failure, KeyCharset, KeyFormat,
-    ManualClock, Policy, RecordKey, RunOutcome, SqliteOptions, SqliteStore, StoredResponse,
-    Success,
+    ActionResult, BeginRequest, Decision, Engine, KeyCharset, KeyFormat, ManualClock, Policy,
+    RecordKey, RunOutcome, SqliteOptions, SqliteStore, StoredResponse, Success,
 };
 
 mod common;
@@ -174,14 +173,7 @@ impl OrdersApi {
                 }
                 // Rolled back with the transaction: nothing took effect, so
                 // the client may retry with the same key.
-                Err(e) => ActionResult::Failed(
-                    Failure {
-                        code: "db-error".into(),
-                        message: e.to_string(),
-                        response: None,
-                    },
-                    Disposition::Retryable,
-                ),
+                Err(e) => ActionResult::retryable("db-error", e),
             }
         })?;
 

@@ -213,14 +213,7 @@ fn handle_webhook(
                 Disposition::Final,
             ),
             // Rolled back; the provider's next delivery tries again.
-            Err(e) => ActionResult::Failed(
-                Failure {
-                    code: "db-error".into(),
-                    message: e.to_string(),
-                    response: None,
-                },
-                Disposition::Retryable,
-            ),
+            Err(e) => ActionResult::retryable("db-error", e),
         }
     })?;
 

@@ -302,6 +302,21 @@ pub enum ActionResult {
     Failed(Failure, Disposition),
 }
 
+impl ActionResult {
+    /// A failure that took no effect, so the next request may execute
+    /// again: typically a business transaction that rolled back.
+    pub fn retryable(code: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        ActionResult::Failed(
+            Failure {
+                code: code.into(),
+                message: message.to_string(),
+                response: None,
+            },
+            Disposition::Retryable,
+        )
+    }
+}
+
 /// What [`Engine::run`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RunOutcome {

@@ -72,14 +72,7 @@ fn main() -> Result<()> {
                         (&req.key.idem_key, &me),
                     ) {
                         Ok(_) => ActionResult::Succeeded(Success::with_ref(format!("order-{i}"))),
-                        Err(e) => ActionResult::Failed(
-                            idem::Failure {
-                                code: "db".into(),
-                                message: e.to_string(),
-                                response: None,
-                            },
-                            idem::Disposition::Retryable,
-                        ),
+                        Err(e) => ActionResult::retryable("db", e),
                     }
                 })?;
                 match outcome {
