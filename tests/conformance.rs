@@ -872,6 +872,13 @@ macro_rules! suite {
         mod sqlite {
             $(#[test] fn $name() -> anyhow::Result<()> { super::$name(&super::Harness::sqlite()?) })*
         }
+        /// Skipped, with a printed reason, when IDEM_TEST_PG_URL is not set.
+        mod postgres {
+            $(#[test] fn $name() -> anyhow::Result<()> {
+                let Some(h) = super::Harness::postgres()? else { return Ok(()) };
+                super::$name(&h)
+            })*
+        }
     };
 }
 

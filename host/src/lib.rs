@@ -42,6 +42,8 @@ pub use api::{
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{ActionResult, Engine, EngineBuilder, Error, ResultLookup, RunOutcome};
 pub use store::{FaultKind, MemoryStore, SqliteOptions, SqliteStore, Storage, StoreError};
+#[cfg(feature = "postgres")]
+pub use store::{PostgresOptions, PostgresStore};
 pub use types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, Success, SwapOutcome,
     Timestamp,

@@ -1,6 +1,7 @@
 //! `idem`: the idempotency proxy (`idem serve`) and its operator commands
 //! (`inspect`, `sweep`, `reconcile`, `stats`) against the same database.
 
+use std::ffi::{OsStr, OsString};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use idem::proxy::{Proxy, ProxyConfig, serve};
 use idem::{Engine, KeyStatus, ReconcileReport, RecordKey, SqliteStore, Status, Storage};
+use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -17,9 +19,14 @@ use tokio::sync::watch;
 #[derive(Debug, Parser)]
 #[command(name = "idem", version)]
 struct Cli {
-    /// The SQLite database (created with its schema on first use).
+    /// The database: a SQLite file (created with its schema on first use),
+    /// or a postgres:// (postgresql://) URL that several idem hosts share.
     #[arg(long, global = true, default_value = "./idem.db")]
-    db: PathBuf,
+    db: OsString,
+    /// With a PostgreSQL --db: the schema that holds idem's tables (created
+    /// with them on first use).
+    #[arg(long, global = true, default_value = "public")]
+    pg_schema: String,
     /// The TOML configuration file (see idem.example.toml).
     #[arg(long, global = true)]
     config: Option<PathBuf>,
@@ -73,6 +80,13 @@ enum Command {
     },
     /// Count the stored keys by state.
     Stats,
+    /// Write the embedded engine component (the `.wasm` every host runs) to
+    /// a file, and print its SHA-256.
+    GuestWasm {
+        /// Where to write the component.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -87,15 +101,15 @@ fn main() -> Result<()> {
             listen,
             upstream,
             admin,
-        } => run_serve(&cli.db, config, listen, upstream, admin.as_deref()),
+        } => run_serve(&cli, config, listen, upstream, admin.as_deref()),
         Command::Inspect { scope, biz, key } => {
-            let engine = engine(&open(&cli.db)?)?;
+            let engine = open(&cli)?.engine()?;
             let status =
                 engine.inspect(&RecordKey::new(scope.as_str(), biz.as_str(), key.as_str()))?;
             print_inspect(cli.json, scope, biz, key, status.as_ref())
         }
         Command::Sweep { limit } => {
-            let engine = engine(&open(&cli.db)?)?;
+            let engine = open(&cli)?.engine()?;
             let batch = limit.unwrap_or(config.sweep_batch);
             if batch == 0 {
                 bail!("--limit must be at least 1");
@@ -116,17 +130,34 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Reconcile { biz, limit } => {
-            let engine = engine(&open(&cli.db)?)?;
+            let engine = open(&cli)?.engine()?;
             let policy = config.policy_for(biz);
             let report = engine.reconcile(biz, &policy, *limit)?;
             print_reconcile(cli.json, biz, &report)
         }
+        Command::GuestWasm { out } => write_guest(out),
         Command::Stats => {
-            let store = open(&cli.db)?;
-            let counts = store.count_by_status()?;
+            let counts = open(&cli)?.shared().count_by_status()?;
             print_stats(cli.json, &counts)
         }
     }
+}
+
+/// Writes [`idem::engine::DEFAULT_GUEST`] to `out` and prints its digest, so
+/// that hosts in other languages load the very bytes the Rust host runs.
+fn write_guest(out: &Path) -> Result<()> {
+    let wasm = idem::engine::DEFAULT_GUEST;
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the directory {}", dir.display()))?;
+    }
+    std::fs::write(out, wasm).with_context(|| format!("cannot write {}", out.display()))?;
+    let digest: String = Sha256::digest(wasm)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    println!("{digest}  {} ({} bytes)", out.display(), wasm.len());
+    Ok(())
 }
 
 fn init_logging() {
@@ -138,17 +169,77 @@ fn init_logging() {
         .init();
 }
 
-fn open(db: &Path) -> Result<SqliteStore> {
-    SqliteStore::open(db, Default::default())
-        .with_context(|| format!("cannot open the database {}", db.display()))
+/// The store `--db` names.
+enum Db {
+    Sqlite(SqliteStore),
+    #[cfg(feature = "postgres")]
+    Postgres(idem::PostgresStore),
 }
 
-fn engine(store: &SqliteStore) -> Result<Engine> {
-    Ok(Engine::builder().storage(store.clone()).build()?)
+impl Db {
+    fn engine(&self) -> Result<Engine> {
+        let builder = Engine::builder();
+        let builder = match self {
+            Db::Sqlite(s) => builder.storage(s.clone()),
+            #[cfg(feature = "postgres")]
+            Db::Postgres(p) => builder.storage(p.clone()),
+        };
+        Ok(builder.build()?)
+    }
+
+    fn shared(&self) -> Arc<dyn Storage> {
+        match self {
+            Db::Sqlite(s) => Arc::new(s.clone()),
+            #[cfg(feature = "postgres")]
+            Db::Postgres(p) => Arc::new(p.clone()),
+        }
+    }
+}
+
+/// True when `--db` is a PostgreSQL URL rather than a file path.
+fn is_postgres_url(db: &OsStr) -> bool {
+    db.to_str().is_some_and(|s| {
+        let lower = s.get(..13).unwrap_or(s).to_ascii_lowercase();
+        lower.starts_with("postgres://") || lower.starts_with("postgresql://")
+    })
+}
+
+fn open(cli: &Cli) -> Result<Db> {
+    if is_postgres_url(&cli.db) {
+        return open_postgres(cli);
+    }
+    let path = Path::new(&cli.db);
+    let store = SqliteStore::open(path, Default::default())
+        .with_context(|| format!("cannot open the database {}", path.display()))?;
+    Ok(Db::Sqlite(store))
+}
+
+#[cfg(feature = "postgres")]
+fn open_postgres(cli: &Cli) -> Result<Db> {
+    let url = cli.db.to_str().context("--db is not UTF-8")?;
+    let options = idem::PostgresOptions {
+        schema: cli.pg_schema.clone(),
+        ..Default::default()
+    };
+    // The URL may carry a password: name the schema, never the URL.
+    let store = idem::PostgresStore::connect(url, options).with_context(|| {
+        format!(
+            "cannot open the PostgreSQL database (schema {})",
+            cli.pg_schema
+        )
+    })?;
+    Ok(Db::Postgres(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+fn open_postgres(_cli: &Cli) -> Result<Db> {
+    bail!(
+        "--db names a PostgreSQL database, but this idem was built without the `postgres` feature"
+    )
 }
 
 fn run_serve(
-    db: &Path,
+    cli: &Cli,
     config: ProxyConfig,
     listen: &str,
     upstream: &str,
@@ -157,9 +248,9 @@ fn run_serve(
     let upstream: http::Uri = upstream
         .parse()
         .with_context(|| format!("--upstream '{upstream}' is not a URI"))?;
-    let store = open(db)?;
-    let engine = engine(&store)?;
-    let store: Arc<dyn Storage> = Arc::new(store);
+    let db = open(cli)?;
+    let engine = db.engine()?;
+    let store = db.shared();
     let proxy = Proxy::new(engine, store, config, upstream)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -393,6 +484,26 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn postgres_urls_are_told_from_paths() {
+        for url in [
+            "postgres://u@h/db",
+            "postgresql://h:5432/db?application_name=x",
+            "POSTGRES://h/db",
+        ] {
+            assert!(is_postgres_url(OsStr::new(url)), "{url}");
+        }
+        for path in [
+            "./idem.db",
+            "/var/lib/idem.db",
+            "postgres",
+            "postgres:/x",
+            "db://x",
+        ] {
+            assert!(!is_postgres_url(OsStr::new(path)), "{path}");
+        }
     }
 
     #[test]

@@ -3,12 +3,12 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use idem::{
-    BeginRequest, Engine, ManualClock, MemoryStore, Policy, RecordKey, SqliteOptions, SqliteStore,
-    StoreError,
+    BeginRequest, Engine, ManualClock, MemoryStore, Policy, PostgresOptions, PostgresStore,
+    RecordKey, SqliteOptions, SqliteStore, StoreError,
 };
 
 /// The start of every test's virtual time: 2026-01-01T00:00:00Z.
@@ -44,6 +44,84 @@ impl Results {
 pub enum Backend {
     Memory(MemoryStore),
     Sqlite(SqliteStore, tempfile::TempDir),
+    Postgres(PostgresStore, PgSchema),
+}
+
+/// The variable naming the PostgreSQL server of the tests.
+pub const PG_URL_VAR: &str = "IDEM_TEST_PG_URL";
+
+/// The PostgreSQL test server's URL, or `None` after printing why the test
+/// is skipped.
+pub fn pg_url() -> Option<String> {
+    match std::env::var(PG_URL_VAR) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            eprintln!(
+                "skipped: {PG_URL_VAR} is not set, so there is no PostgreSQL server to test \
+                 against (CI sets it)"
+            );
+            None
+        }
+    }
+}
+
+/// A name nobody else uses: a prefix, this process, a counter, the time.
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A PostgreSQL schema of one test's own (so that tests run in parallel on
+/// one database), dropped with its tables when the test ends.
+pub struct PgSchema {
+    pub url: String,
+    pub name: String,
+}
+
+impl PgSchema {
+    /// `None` (after printing why) when no test server is configured.
+    pub fn new() -> Option<PgSchema> {
+        Some(PgSchema {
+            url: pg_url()?,
+            name: unique_name("idem_test"),
+        })
+    }
+
+    /// Store options for this schema, with a small pool.
+    pub fn options(&self) -> PostgresOptions {
+        PostgresOptions {
+            schema: self.name.clone(),
+            pool_size: 2,
+            ..PostgresOptions::default()
+        }
+    }
+
+    /// The URL with one more query parameter, e.g. an `application_name`.
+    pub fn url_with(&self, name: &str, value: &str) -> String {
+        let sep = if self.url.contains('?') { '&' } else { '?' };
+        format!("{}{sep}{name}={value}", self.url)
+    }
+
+    /// A direct connection for the test's own SQL.
+    pub fn raw(&self) -> anyhow::Result<postgres::Client> {
+        Ok(postgres::Client::connect(&self.url, postgres::NoTls)?)
+    }
+}
+
+impl Drop for PgSchema {
+    fn drop(&mut self) {
+        if let Ok(mut c) = postgres::Client::connect(&self.url, postgres::NoTls) {
+            let _ = c.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name));
+        }
+    }
 }
 
 pub struct Harness {
@@ -63,6 +141,19 @@ impl Harness {
         let dir = tempfile::tempdir()?;
         let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())?;
         Self::with(Backend::Sqlite(store.clone(), dir), store)
+    }
+
+    /// An engine on PostgreSQL, in a schema of its own; `None` (after
+    /// printing why) without a test server.
+    pub fn postgres() -> anyhow::Result<Option<Harness>> {
+        let Some(schema) = PgSchema::new() else {
+            return Ok(None);
+        };
+        let store = PostgresStore::connect(&schema.url, schema.options())?;
+        Ok(Some(Self::with(
+            Backend::Postgres(store.clone(), schema),
+            store,
+        )?))
     }
 
     fn with(backend: Backend, storage: impl idem::Storage) -> anyhow::Result<Harness> {
@@ -88,6 +179,7 @@ impl Harness {
         let builder = match &self.backend {
             Backend::Memory(m) => builder.storage(m.clone()),
             Backend::Sqlite(s, _) => builder.storage(s.clone()),
+            Backend::Postgres(p, _) => builder.storage(p.clone()),
         };
         Ok(builder.build()?)
     }
@@ -99,7 +191,7 @@ impl Harness {
     pub fn memory_store(&self) -> Option<&MemoryStore> {
         match &self.backend {
             Backend::Memory(m) => Some(m),
-            Backend::Sqlite(..) => None,
+            Backend::Sqlite(..) | Backend::Postgres(..) => None,
         }
     }
 
@@ -107,6 +199,7 @@ impl Harness {
         match &self.backend {
             Backend::Memory(m) => m,
             Backend::Sqlite(s, _) => s,
+            Backend::Postgres(p, _) => p,
         }
     }
 

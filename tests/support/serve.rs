@@ -89,7 +89,10 @@ impl StderrSink {
 /// Options for `idem serve`.
 pub struct Serve {
     upstream: String,
-    db: PathBuf,
+    db: std::ffi::OsString,
+    /// Where `config` is written.
+    config_dir: Option<PathBuf>,
+    extra: Vec<String>,
     config: Option<String>,
     admin: bool,
 }
@@ -99,7 +102,22 @@ impl Serve {
     pub fn new(upstream: &str, db: &Path) -> Self {
         Self {
             upstream: upstream.to_string(),
-            db: db.to_path_buf(),
+            db: db.as_os_str().to_owned(),
+            config_dir: db.parent().map(Path::to_path_buf),
+            extra: Vec::new(),
+            config: None,
+            admin: false,
+        }
+    }
+
+    /// `idem serve ... --db URL --pg-schema SCHEMA` on PostgreSQL; a
+    /// configuration is written to `config_dir`.
+    pub fn postgres(upstream: &str, url: &str, schema: &str, config_dir: &Path) -> Self {
+        Self {
+            upstream: upstream.to_string(),
+            db: url.into(),
+            config_dir: Some(config_dir.to_path_buf()),
+            extra: vec!["--pg-schema".to_string(), schema.to_string()],
             config: None,
             admin: false,
         }
@@ -124,9 +142,13 @@ impl Serve {
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0", "--upstream", &self.upstream])
             .arg("--db")
-            .arg(&self.db);
+            .arg(&self.db)
+            .args(&self.extra);
         if let Some(toml) = &self.config {
-            let dir = self.db.parent().context("db has no parent")?;
+            let dir = self
+                .config_dir
+                .as_deref()
+                .context("no directory for the config")?;
             // A fresh name per start: a test may start several proxies.
             let mut n = 0;
             let path = loop {
@@ -376,8 +398,11 @@ fn agent() -> &'static ureq::Agent {
             .proxy(None)
             .max_redirects(0)
             .timeout_global(Some(HTTP))
-            .max_idle_connections(64)
-            .max_idle_connections_per_host(64)
+            // Enough for the largest storm of concurrent requests
+            // (tests/postgres.rs), so that connections are reused rather
+            // than left by the thousand in TIME_WAIT.
+            .max_idle_connections(256)
+            .max_idle_connections_per_host(256)
             .build()
             .into()
     })

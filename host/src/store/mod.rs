@@ -5,6 +5,8 @@
 //! against every backend through the real component.
 
 pub mod memory;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 pub mod sqlite;
 
 use crate::types::{InsertOutcome, RecordKey, StoredRecord, SwapOutcome, Timestamp};
@@ -12,6 +14,8 @@ use crate::types::{InsertOutcome, RecordKey, StoredRecord, SwapOutcome, Timestam
 #[cfg(test)]
 mod tests;
 
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PostgresOptions, PostgresStore};
 pub use memory::{FaultKind, MemoryStore, Op};
 pub use sqlite::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous};
 

@@ -1,0 +1,957 @@
+//! The PostgreSQL backend: one store shared by many idem hosts.
+//!
+//! Every host that connects to the same database and schema shares the same
+//! records, and the unique constraint on `(scope_key, biz_type, idem_key)`
+//! decides every insert race, across threads, processes and machines.
+//!
+//! Each operation is a single statement in autocommit mode, or two where an
+//! answer needs the current row after a write was refused; every statement
+//! is prepared once per connection. Under READ COMMITTED (PostgreSQL's
+//! default) each statement sees every transaction committed before it
+//! started, which is all the operations need:
+//!
+//! - insert-if-absent is `INSERT … ON CONFLICT DO NOTHING RETURNING id`; a
+//!   conflicting insert waits for the other inserter to commit, so the
+//!   `SELECT` that follows sees its row. If that row was deleted in between
+//!   (by a sweeper), the insert is tried again.
+//! - compare-and-swap is `UPDATE … WHERE revision = $expected`; a concurrent
+//!   update makes PostgreSQL re-check the condition on the newest row
+//!   version, so of two swaps expecting one revision only one matches.
+//! - delete-expired locks its candidates (`FOR UPDATE SKIP LOCKED`, so two
+//!   sweepers never wait for each other) and re-checks their status and
+//!   expiry in the `DELETE` itself.
+//!
+//! The schema is versioned in a table of its own and migrated when a store
+//! opens, under a transaction-scoped advisory lock, so hosts that start
+//! together apply each migration exactly once.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use postgres::types::{FromSqlOwned, ToSql};
+use postgres::{Client, NoTls, Statement};
+
+use super::{Storage, StoreError};
+use crate::types::{
+    Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
+};
+
+/// The table that records which migrations a schema has had.
+const VERSION_TABLE: &str = "idem_schema_version";
+
+/// The schema, one entry per version; `{schema}` stands for the quoted
+/// schema name. Entry `i` moves the schema from version `i` to `i + 1`.
+/// Entries are never edited once released; changes are new entries.
+///
+/// Differences from the SQLite table, all forced by PostgreSQL's types: the
+/// key columns use the "C" collation so that they compare byte for byte,
+/// as SQLite's do; `result_ref` is `BYTEA` holding UTF-8, because a `TEXT`
+/// value cannot hold the NUL character that a result reference may carry;
+/// `response` and `failure` are `BYTEA` holding JSON, as SQLite's `BLOB`s.
+const MIGRATIONS: &[&str] = &[
+    // Version 1: the record table and the indexes behind the sweeper and the
+    // reconciliation scan.
+    r#"CREATE TABLE {schema}.idempotency_record (
+        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        scope_key TEXT COLLATE "C" NOT NULL,
+        biz_type TEXT COLLATE "C" NOT NULL,
+        idem_key TEXT COLLATE "C" NOT NULL,
+        request_hash TEXT NOT NULL,
+        fingerprint_version BIGINT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN
+            ('processing', 'succeeded', 'failed', 'released', 'outcome-unknown')),
+        fencing_token BIGINT NOT NULL,
+        revision BIGINT NOT NULL,
+        attempts BIGINT NOT NULL,
+        lease_until BIGINT,
+        created_at BIGINT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        expires_at BIGINT,
+        result_ref BYTEA,
+        response BYTEA,
+        failure BYTEA,
+        CONSTRAINT idempotency_record_key UNIQUE (scope_key, biz_type, idem_key)
+    );
+    CREATE INDEX idempotency_record_sweep
+        ON {schema}.idempotency_record (expires_at)
+        WHERE status IN ('succeeded', 'failed', 'released');
+    CREATE INDEX idempotency_record_stale_processing
+        ON {schema}.idempotency_record (biz_type, lease_until)
+        WHERE status = 'processing';
+    CREATE INDEX idempotency_record_outcome_unknown
+        ON {schema}.idempotency_record (biz_type, updated_at)
+        WHERE status = 'outcome-unknown';"#,
+];
+
+/// The record columns in the order [`decode_row`] reads them.
+const COLUMNS: &str = "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, \
+     status, fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, \
+     result_ref, response, failure";
+
+/// Names of the columns in [`COLUMNS`], for error messages.
+const COLUMN_NAMES: [&str; 17] = [
+    "id",
+    "scope_key",
+    "biz_type",
+    "idem_key",
+    "request_hash",
+    "fingerprint_version",
+    "status",
+    "fencing_token",
+    "revision",
+    "attempts",
+    "lease_until",
+    "created_at",
+    "updated_at",
+    "expires_at",
+    "result_ref",
+    "response",
+    "failure",
+];
+
+/// How often insert-if-absent tries again when the row that refused its
+/// insert is gone before it could be read. Each retry needs a sweeper to
+/// delete the key's expired record between two statements, and a record is
+/// deleted only once, so a second retry already means a new record was
+/// inserted and expired in between; three is far beyond any real race.
+const INSERT_ATTEMPTS: usize = 3;
+
+/// The `application_name` the store gives its connections unless the URL
+/// names one, so that operators (and the fault tests) can find them in
+/// `pg_stat_activity`.
+pub const DEFAULT_APPLICATION_NAME: &str = "idem";
+
+/// The longest schema name PostgreSQL keeps (NAMEDATALEN - 1 bytes).
+const MAX_SCHEMA_BYTES: usize = 63;
+
+/// How long a TCP connection may stay silent before the client probes it,
+/// and how far apart the probes are: a server that vanished without closing
+/// the connection (a crashed machine, a network partition) is noticed within
+/// about 8 seconds instead of the operating system's 2 hours, a little after
+/// the default statement timeout would have ended a slow statement.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+/// See [`KEEPALIVE_IDLE`].
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+/// See [`KEEPALIVE_IDLE`].
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// Settings for [`PostgresStore::connect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresOptions {
+    /// The schema that holds idem's tables; created if missing. Default
+    /// `public`. Several independent idem deployments (or tests) can share
+    /// one database with a schema each. 1 to 63 ASCII letters, digits and
+    /// underscores, not starting with a digit.
+    pub schema: String,
+    /// How many connections the pool keeps open. Default 8: each operation
+    /// holds a connection for one or two short statements, so 8 serve
+    /// thousands of operations a second, and several hosts with 8 each stay
+    /// far below PostgreSQL's default limit of 100 connections. Must be at
+    /// least 1.
+    pub pool_size: u32,
+    /// How long opening a connection may take, and how long an operation
+    /// waits for a free pooled connection, before it fails with
+    /// [`StoreError::Unavailable`]. Default 5 s: time enough for a
+    /// connection across a data centre and for a burst of operations, short
+    /// enough that an unreachable server surfaces as an error instead of a
+    /// hang. At least 1 ms.
+    pub connect_timeout: Duration,
+    /// The server-side `statement_timeout` of every connection: a statement
+    /// still running after it is cancelled and fails with
+    /// [`StoreError::Unavailable`]. Default 5 s, as SQLite's busy timeout:
+    /// the statements touch one row or a bounded batch, so only a lock held
+    /// by a stuck transaction or an overloaded server makes one that slow.
+    /// At least 1 ms and below 2^31 ms.
+    pub statement_timeout: Duration,
+    /// Whether a pooled connection is checked (with an empty query) each
+    /// time it is taken from the pool. Default true: a connection that the
+    /// server closed while it sat in the pool (a restart, a failover,
+    /// `pg_terminate_backend`) is replaced instead of failing the next
+    /// operation; the check costs one round trip per operation. When false,
+    /// such a connection fails one operation with
+    /// [`StoreError::Unavailable`] and is then discarded.
+    pub check_on_checkout: bool,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        Self {
+            schema: "public".to_owned(),
+            pool_size: 8,
+            connect_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(5),
+            check_on_checkout: true,
+        }
+    }
+}
+
+impl PostgresOptions {
+    fn validate(&self) -> Result<(), StoreError> {
+        validate_schema(&self.schema)?;
+        if self.pool_size == 0 {
+            return Err(StoreError::Rejected(
+                "PostgresOptions::pool_size must be at least 1".to_owned(),
+            ));
+        }
+        if self.connect_timeout < Duration::from_millis(1) {
+            return Err(StoreError::Rejected(format!(
+                "PostgresOptions::connect_timeout of {:?} is below the minimum of 1 ms",
+                self.connect_timeout
+            )));
+        }
+        let ms = self.statement_timeout.as_millis();
+        if ms < 1 || i32::try_from(ms).is_err() {
+            return Err(StoreError::Rejected(format!(
+                "PostgresOptions::statement_timeout of {:?} is outside 1 ms to {} ms",
+                self.statement_timeout,
+                i32::MAX
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a schema name: 1 to 63 ASCII letters, digits and underscores, not
+/// starting with a digit. Such a name never needs quoting rules beyond
+/// enclosing it in double quotes.
+fn validate_schema(schema: &str) -> Result<(), StoreError> {
+    let first_ok = schema
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
+    let rest_ok = schema
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if !first_ok || !rest_ok || schema.len() > MAX_SCHEMA_BYTES {
+        return Err(StoreError::Rejected(format!(
+            "PostgresOptions::schema {schema:?} is not allowed: it must be 1 to \
+             {MAX_SCHEMA_BYTES} ASCII letters, digits and underscores, not starting with a digit"
+        )));
+    }
+    Ok(())
+}
+
+/// Maps a PostgreSQL client error onto the store contract.
+///
+/// A lost or refused connection, a timeout (statement, lock or connect), a
+/// server shutting down, too many connections, a serialization failure or a
+/// deadlock is [`StoreError::Unavailable`]: the store may answer later, and
+/// whether a write took effect is unknown. Data the server refuses
+/// (integrity constraints, data exceptions such as a NUL character in text,
+/// values beyond a limit) is [`StoreError::Rejected`]. Everything else is
+/// [`StoreError::Internal`].
+pub fn map_err(e: postgres::Error) -> StoreError {
+    if let Some(db) = e.as_db_error() {
+        // The client's own message for a server error is only "db error".
+        let code = db.code().code();
+        let class = code.get(..2).unwrap_or("");
+        let text = format!("postgres: {} (SQLSTATE {code})", db.message());
+        return match (class, code) {
+            // connection_exception, insufficient_resources,
+            // transaction_rollback (serialization failure, deadlock).
+            ("08" | "53" | "40", _) => StoreError::Unavailable(text),
+            // admin_shutdown, crash_shutdown, cannot_connect_now,
+            // query_canceled (statement_timeout), lock_not_available.
+            (_, "57P01" | "57P02" | "57P03" | "57014" | "55P03") => StoreError::Unavailable(text),
+            // data_exception, integrity_constraint_violation,
+            // program_limit_exceeded.
+            ("22" | "23" | "54", _) => StoreError::Rejected(text),
+            _ => StoreError::Internal(text),
+        };
+    }
+    if e.is_closed() || has_io_source(&e) || is_timeout(&e) {
+        return StoreError::Unavailable(format!("postgres: {e}"));
+    }
+    StoreError::Internal(format!("postgres: {e}"))
+}
+
+/// True when an I/O error (a refused, reset or broken connection) is among
+/// the causes of `e`.
+fn has_io_source(e: &postgres::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if s.is::<std::io::Error>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// True for the client's own timeouts (connecting, or waiting for the
+/// server), which carry no cause of their own.
+fn is_timeout(e: &postgres::Error) -> bool {
+    e.to_string().to_ascii_lowercase().contains("timeout")
+}
+
+/// Maps a pool error: r2d2 reports only that no connection became free (or
+/// could be opened) in time.
+fn map_pool_err(e: r2d2::Error) -> StoreError {
+    StoreError::Unavailable(format!("postgres connection pool: {e}"))
+}
+
+/// The statements of one schema, as SQL text.
+#[derive(Debug)]
+struct Sql {
+    insert: String,
+    get: String,
+    swap: String,
+    delete_expired: String,
+    list_stale: String,
+    count_by_status: String,
+}
+
+impl Sql {
+    fn new(schema: &str) -> Self {
+        let table = format!("{}.idempotency_record", quote(schema));
+        Self {
+            insert: format!(
+                "INSERT INTO {table} (
+                    scope_key, biz_type, idem_key, request_hash, fingerprint_version, status,
+                    fencing_token, revision, attempts, lease_until, created_at, updated_at,
+                    expires_at, result_ref, response, failure)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+                ON CONFLICT (scope_key, biz_type, idem_key) DO NOTHING
+                RETURNING id"
+            ),
+            get: format!(
+                "SELECT {COLUMNS} FROM {table}
+                WHERE scope_key = $1 AND biz_type = $2 AND idem_key = $3"
+            ),
+            // The key columns are not written: the WHERE clause already pins
+            // them to the replacement's values.
+            swap: format!(
+                "UPDATE {table} SET
+                    request_hash = $4, fingerprint_version = $5, status = $6,
+                    fencing_token = $7, revision = $8, attempts = $9, lease_until = $10,
+                    created_at = $11, updated_at = $12, expires_at = $13, result_ref = $14,
+                    response = $15, failure = $16
+                WHERE scope_key = $1 AND biz_type = $2 AND idem_key = $3 AND revision = $17"
+            ),
+            // The candidates are chosen and locked once, in a CTE (a
+            // subquery could be run again for each row and pick more rows
+            // than the limit); the outer conditions are checked again on the
+            // rows as they are now.
+            delete_expired: format!(
+                "WITH doomed AS MATERIALIZED (
+                    SELECT id FROM {table}
+                    WHERE status IN ('succeeded', 'failed', 'released') AND expires_at <= $1
+                    ORDER BY expires_at, id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED)
+                DELETE FROM {table} AS r USING doomed
+                WHERE r.id = doomed.id
+                    AND r.status IN ('succeeded', 'failed', 'released') AND r.expires_at <= $1"
+            ),
+            list_stale: format!(
+                "SELECT {COLUMNS} FROM {table}
+                    WHERE biz_type = $1 AND status = 'processing' AND lease_until <= $2
+                UNION ALL
+                SELECT {COLUMNS} FROM {table}
+                    WHERE biz_type = $1 AND status = 'outcome-unknown'
+                ORDER BY updated_at, id
+                LIMIT $3"
+            ),
+            count_by_status: format!("SELECT status, COUNT(*) FROM {table} GROUP BY status"),
+        }
+    }
+}
+
+/// A schema or table name in double quotes. Names are checked by
+/// [`validate_schema`], so they hold no quote to double.
+fn quote(name: &str) -> String {
+    format!("\"{name}\"")
+}
+
+/// The statements prepared on one connection.
+struct Prepared {
+    insert: Statement,
+    get: Statement,
+    swap: Statement,
+    delete_expired: Statement,
+    list_stale: Statement,
+    count_by_status: Statement,
+}
+
+/// A pooled connection with its prepared statements.
+struct PgConnection {
+    client: Client,
+    prepared: Prepared,
+}
+
+impl fmt::Debug for PgConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgConnection")
+            .field("closed", &self.client.is_closed())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Opens connections with the store's settings and prepares its statements.
+struct ConnectionManager {
+    config: postgres::Config,
+    sql: Arc<Sql>,
+}
+
+impl ConnectionManager {
+    fn open(&self) -> Result<PgConnection, postgres::Error> {
+        let mut client = self.config.connect(NoTls)?;
+        let prepared = Prepared {
+            insert: client.prepare(&self.sql.insert)?,
+            get: client.prepare(&self.sql.get)?,
+            swap: client.prepare(&self.sql.swap)?,
+            delete_expired: client.prepare(&self.sql.delete_expired)?,
+            list_stale: client.prepare(&self.sql.list_stale)?,
+            count_by_status: client.prepare(&self.sql.count_by_status)?,
+        };
+        Ok(PgConnection { client, prepared })
+    }
+}
+
+impl r2d2::ManageConnection for ConnectionManager {
+    type Connection = PgConnection;
+    type Error = postgres::Error;
+
+    fn connect(&self) -> Result<PgConnection, postgres::Error> {
+        self.open()
+    }
+
+    fn is_valid(&self, conn: &mut PgConnection) -> Result<(), postgres::Error> {
+        conn.client.simple_query("").map(|_| ())
+    }
+
+    /// A connection whose socket the client saw close is discarded on its
+    /// way back to the pool.
+    fn has_broken(&self, conn: &mut PgConnection) -> bool {
+        conn.client.is_closed()
+    }
+}
+
+type Pool = r2d2::Pool<ConnectionManager>;
+
+struct Inner {
+    pool: Pool,
+    schema: String,
+}
+
+/// A [`Storage`] backend on PostgreSQL, for several idem hosts that share
+/// one source of truth.
+///
+/// Cheap to clone (the pool is shared) and safe to use from many threads.
+/// Any number of stores, in this process or on other machines, may use the
+/// same database and schema at once; the unique constraint and row-level
+/// locking keep every operation atomic across all of them.
+///
+/// The client is synchronous: call it from plain threads or from
+/// `tokio::task::spawn_blocking`, never directly on an async runtime's
+/// worker (it runs a small runtime of its own per connection).
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("schema", &self.inner.schema)
+            .field("pool_size", &self.inner.pool.max_size())
+            .finish()
+    }
+}
+
+impl PostgresStore {
+    /// Connects to the database at `url` (a `postgres://` or
+    /// `postgresql://` URL, or a `key=value` connection string) and brings
+    /// the schema's tables up to date.
+    ///
+    /// Connections use no TLS: a URL with `sslmode=require` fails. Unless
+    /// the URL sets `application_name`, connections are named
+    /// [`DEFAULT_APPLICATION_NAME`].
+    ///
+    /// Errors: [`StoreError::Rejected`] for invalid options or an
+    /// unparsable URL, [`StoreError::Unavailable`] when the server cannot
+    /// be reached in time, [`StoreError::Internal`] when the schema is newer
+    /// than this build understands or the server refuses the migration.
+    pub fn connect(url: &str, options: PostgresOptions) -> Result<PostgresStore, StoreError> {
+        options.validate()?;
+        let mut config = postgres::Config::from_str(url).map_err(|e| {
+            // The URL may hold a password: never repeat it.
+            StoreError::Rejected(format!("the PostgreSQL connection URL is not valid: {e}"))
+        })?;
+        if config.get_application_name().is_none() {
+            config.application_name(DEFAULT_APPLICATION_NAME);
+        }
+        config
+            .connect_timeout(options.connect_timeout)
+            .keepalives(true)
+            .keepalives_idle(KEEPALIVE_IDLE)
+            .keepalives_interval(KEEPALIVE_INTERVAL)
+            .keepalives_retries(KEEPALIVE_RETRIES)
+            .options(&format!(
+                "-c statement_timeout={}",
+                options.statement_timeout.as_millis()
+            ));
+        let sql = Arc::new(Sql::new(&options.schema));
+        let manager = ConnectionManager {
+            config: config.clone(),
+            sql,
+        };
+
+        // One connection outside the pool: it reports an unreachable server
+        // at once (the pool would retry until its timeout) and migrates.
+        let mut client = config.connect(NoTls).map_err(map_err)?;
+        migrate(&mut client, &options.schema)?;
+        drop(client);
+
+        // Every connection is opened now and kept open (min_idle defaults to
+        // max_size), so an operation waits only when all are in use.
+        let pool = r2d2::Pool::builder()
+            .max_size(options.pool_size)
+            .connection_timeout(options.connect_timeout)
+            .test_on_check_out(options.check_on_checkout)
+            .build(manager)
+            .map_err(map_pool_err)?;
+        Ok(PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                schema: options.schema,
+            }),
+        })
+    }
+
+    /// The schema holding the store's tables.
+    pub fn schema(&self) -> &str {
+        &self.inner.schema
+    }
+
+    /// Runs one operation on a pooled connection.
+    fn with<R>(
+        &self,
+        op: impl FnOnce(&mut PgConnection) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        let mut conn = self.inner.pool.get().map_err(map_pool_err)?;
+        op(&mut conn)
+    }
+}
+
+impl Storage for PostgresStore {
+    fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
+        let row = EncodedRecord::new(candidate)?;
+        self.with(|c| {
+            for _ in 0..INSERT_ATTEMPTS {
+                let inserted = c
+                    .client
+                    .query_opt(&c.prepared.insert, &row.params())
+                    .map_err(map_err)?;
+                if let Some(r) = inserted {
+                    let mut inserted = candidate.clone();
+                    inserted.id = to_u64(column(&r, 0)?, "id")?;
+                    return Ok(InsertOutcome::Inserted(inserted));
+                }
+                // The conflicting row is committed (a conflicting insert
+                // waits for its inserter), so this statement sees it unless
+                // it was deleted since; then the insert is tried again.
+                if let Some(existing) = get(c, &candidate.key)? {
+                    return Ok(InsertOutcome::Existing(existing));
+                }
+            }
+            Err(StoreError::Unavailable(format!(
+                "the key's record was deleted and re-created {INSERT_ATTEMPTS} times while \
+                 it was being inserted; try again"
+            )))
+        })
+    }
+
+    fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
+        self.with(|c| get(c, key))
+    }
+
+    fn compare_and_swap(
+        &self,
+        expected_revision: u64,
+        replacement: &StoredRecord,
+    ) -> Result<SwapOutcome, StoreError> {
+        let row = EncodedRecord::new(replacement)?;
+        self.with(|c| {
+            // A revision the column cannot hold is not stored: nothing
+            // matches it.
+            if let Ok(expected) = i64::try_from(expected_revision) {
+                let mut params = row.params();
+                params.push(&expected);
+                let changed = c
+                    .client
+                    .execute(&c.prepared.swap, &params)
+                    .map_err(map_err)?;
+                if changed > 0 {
+                    return Ok(SwapOutcome::Swapped);
+                }
+            }
+            Ok(SwapOutcome::Stale(get(c, &replacement.key)?))
+        })
+    }
+
+    fn delete_expired(&self, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
+        self.with(|c| {
+            let deleted = c
+                .client
+                .execute(
+                    &c.prepared.delete_expired,
+                    &[&saturate(now), &i64::from(limit)],
+                )
+                .map_err(map_err)?;
+            u32::try_from(deleted).map_err(|_| {
+                StoreError::Internal(format!("deleted {deleted} rows, more than the limit"))
+            })
+        })
+    }
+
+    fn list_stale(
+        &self,
+        biz_type: &str,
+        now: Timestamp,
+        limit: u32,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        // No stored biz type holds a NUL character (PostgreSQL text cannot).
+        if biz_type.contains('\0') {
+            return Ok(Vec::new());
+        }
+        self.with(|c| {
+            let rows = c
+                .client
+                .query(
+                    &c.prepared.list_stale,
+                    &[&biz_type, &saturate(now), &i64::from(limit)],
+                )
+                .map_err(map_err)?;
+            rows.iter().map(decode_row).collect()
+        })
+    }
+
+    fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
+        self.with(|c| {
+            let rows = c
+                .client
+                .query(&c.prepared.count_by_status, &[])
+                .map_err(map_err)?;
+            let mut counts = Status::ALL.map(|status| (status, 0u64));
+            for row in &rows {
+                let name: String = column(row, 0)?;
+                let count: i64 = column(row, 1)?;
+                let status = parse_status(&name)?;
+                let slot = counts
+                    .iter_mut()
+                    .find(|(s, _)| *s == status)
+                    .ok_or_else(|| StoreError::Internal(format!("status {name} is not counted")))?;
+                slot.1 = to_u64(count, "count")?;
+            }
+            Ok(counts.to_vec())
+        })
+    }
+}
+
+fn get(c: &mut PgConnection, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
+    // No stored key holds a NUL character (PostgreSQL text cannot), so
+    // such a key surely has no record.
+    if [&key.scope, &key.biz_type, &key.idem_key]
+        .iter()
+        .any(|part| part.contains('\0'))
+    {
+        return Ok(None);
+    }
+    let row = c
+        .client
+        .query_opt(&c.prepared.get, &[&key.scope, &key.biz_type, &key.idem_key])
+        .map_err(map_err)?;
+    row.as_ref().map(decode_row).transpose()
+}
+
+// ---------------------------------------------------------------------------
+// Schema migrations.
+
+/// The schema's version: 0 when it has no version table yet.
+fn schema_version(client: &mut Client, schema: &str) -> Result<usize, StoreError> {
+    let table = format!("{}.{}", quote(schema), quote(VERSION_TABLE));
+    let exists: Option<String> = client
+        .query_one("SELECT to_regclass($1)::text", &[&table])
+        .map_err(map_err)?
+        .try_get(0)
+        .map_err(map_err)?;
+    if exists.is_none() {
+        return Ok(0);
+    }
+    let version: i32 = client
+        .query_one(
+            &format!("SELECT COALESCE(MAX(version), 0) FROM {table}"),
+            &[],
+        )
+        .map_err(map_err)?
+        .try_get(0)
+        .map_err(map_err)?;
+    usize::try_from(version)
+        .map_err(|_| StoreError::Internal(format!("negative schema version {version}")))
+}
+
+fn migrate(client: &mut Client, schema: &str) -> Result<(), StoreError> {
+    let target = MIGRATIONS.len();
+    let check = |version: usize| {
+        if version > target {
+            Err(StoreError::Internal(format!(
+                "schema {schema} has version {version}; this build knows versions up to {target}"
+            )))
+        } else {
+            Ok(version)
+        }
+    };
+    if check(schema_version(client, schema)?)? == target {
+        return Ok(());
+    }
+    let mut tx = client.transaction().map_err(map_err)?;
+    // Every host that migrates this schema takes the same lock first; it is
+    // released when the transaction ends, however it ends.
+    let lock = format!("idem migrations of schema {schema}");
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+        &[&lock],
+    )
+    .map_err(map_err)?;
+    let quoted = quote(schema);
+    tx.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {quoted};
+        CREATE TABLE IF NOT EXISTS {quoted}.{version_table} (
+            version INTEGER PRIMARY KEY,
+            applied_at TIMESTAMPTZ NOT NULL DEFAULT now());",
+        version_table = quote(VERSION_TABLE)
+    ))
+    .map_err(map_err)?;
+    // Another host may have migrated between the check and the lock.
+    let current: i32 = tx
+        .query_one(
+            &format!(
+                "SELECT COALESCE(MAX(version), 0) FROM {quoted}.{}",
+                quote(VERSION_TABLE)
+            ),
+            &[],
+        )
+        .map_err(map_err)?
+        .try_get(0)
+        .map_err(map_err)?;
+    let current = check(
+        usize::try_from(current)
+            .map_err(|_| StoreError::Internal(format!("negative schema version {current}")))?,
+    )?;
+    for (index, sql) in MIGRATIONS.iter().enumerate().skip(current) {
+        tx.batch_execute(&sql.replace("{schema}", &quoted))
+            .map_err(map_err)?;
+        let version = i32::try_from(index + 1)
+            .map_err(|_| StoreError::Internal("too many migrations".to_owned()))?;
+        tx.execute(
+            &format!(
+                "INSERT INTO {quoted}.{} (version) VALUES ($1)",
+                quote(VERSION_TABLE)
+            ),
+            &[&version],
+        )
+        .map_err(map_err)?;
+    }
+    tx.commit().map_err(map_err)
+}
+
+// ---------------------------------------------------------------------------
+// Encoding and decoding.
+
+/// A record converted to PostgreSQL values. Numbers above `i64::MAX` and
+/// text with a NUL character are rejected; `response` and `failure` are
+/// JSON of the host types, as in the SQLite store.
+struct EncodedRecord<'a> {
+    scope: &'a str,
+    biz_type: &'a str,
+    idem_key: &'a str,
+    fingerprint: &'a str,
+    fingerprint_version: i64,
+    status: &'static str,
+    fencing_token: i64,
+    revision: i64,
+    attempts: i64,
+    lease_until: Option<i64>,
+    created_at: i64,
+    updated_at: i64,
+    expires_at: Option<i64>,
+    result_ref: Option<&'a [u8]>,
+    response: Option<Vec<u8>>,
+    failure: Option<Vec<u8>>,
+}
+
+impl<'a> EncodedRecord<'a> {
+    fn new(record: &'a StoredRecord) -> Result<Self, StoreError> {
+        check_text(&record.key.scope, "scope")?;
+        check_text(&record.key.biz_type, "biz_type")?;
+        check_text(&record.key.idem_key, "idem_key")?;
+        check_text(&record.fingerprint, "fingerprint")?;
+        Ok(Self {
+            scope: &record.key.scope,
+            biz_type: &record.key.biz_type,
+            idem_key: &record.key.idem_key,
+            fingerprint: &record.fingerprint,
+            fingerprint_version: i64::from(record.fingerprint_version),
+            status: record.status.as_str(),
+            fencing_token: to_i64(record.fencing_token, "fencing_token")?,
+            revision: to_i64(record.revision, "revision")?,
+            attempts: i64::from(record.attempts),
+            lease_until: record
+                .lease_until
+                .map(|v| to_i64(v, "lease_until"))
+                .transpose()?,
+            created_at: to_i64(record.created_at, "created_at")?,
+            updated_at: to_i64(record.updated_at, "updated_at")?,
+            expires_at: record
+                .expires_at
+                .map(|v| to_i64(v, "expires_at"))
+                .transpose()?,
+            result_ref: record.result_ref.as_deref().map(str::as_bytes),
+            response: record
+                .response
+                .as_ref()
+                .map(|r| to_json(r, "response"))
+                .transpose()?,
+            failure: record
+                .failure
+                .as_ref()
+                .map(|f| to_json(f, "failure"))
+                .transpose()?,
+        })
+    }
+
+    /// Parameters `$1` to `$16` of the insert and swap statements.
+    fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![
+            &self.scope,
+            &self.biz_type,
+            &self.idem_key,
+            &self.fingerprint,
+            &self.fingerprint_version,
+            &self.status,
+            &self.fencing_token,
+            &self.revision,
+            &self.attempts,
+            &self.lease_until,
+            &self.created_at,
+            &self.updated_at,
+            &self.expires_at,
+            &self.result_ref,
+            &self.response,
+            &self.failure,
+        ]
+    }
+}
+
+/// PostgreSQL text cannot hold the NUL character; refuse it by name rather
+/// than with the server's encoding error.
+fn check_text(value: &str, field: &str) -> Result<(), StoreError> {
+    if value.contains('\0') {
+        return Err(StoreError::Rejected(format!(
+            "{field} contains a NUL character, which PostgreSQL text cannot hold"
+        )));
+    }
+    Ok(())
+}
+
+fn to_i64(value: u64, field: &str) -> Result<i64, StoreError> {
+    i64::try_from(value).map_err(|_| {
+        StoreError::Rejected(format!(
+            "{field} = {value} is above {}, the largest integer PostgreSQL's BIGINT stores",
+            i64::MAX
+        ))
+    })
+}
+
+/// A bound for comparisons: every stored value is at most `i64::MAX`, so a
+/// larger bound compares exactly like `i64::MAX`.
+fn saturate(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn to_json<T: serde::Serialize>(value: &T, field: &str) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value)
+        .map_err(|e| StoreError::Internal(format!("cannot encode {field}: {e}")))
+}
+
+fn to_u64(value: i64, column: &str) -> Result<u64, StoreError> {
+    u64::try_from(value)
+        .map_err(|_| StoreError::Internal(format!("column {column} holds negative value {value}")))
+}
+
+fn to_u32(value: i64, column: &str) -> Result<u32, StoreError> {
+    u32::try_from(value).map_err(|_| {
+        StoreError::Internal(format!(
+            "column {column} holds {value}, outside 0..=u32::MAX"
+        ))
+    })
+}
+
+fn parse_status(name: &str) -> Result<Status, StoreError> {
+    Status::parse(name)
+        .ok_or_else(|| StoreError::Internal(format!("column status holds unknown status {name:?}")))
+}
+
+fn column_name(index: usize) -> &'static str {
+    COLUMN_NAMES.get(index).copied().unwrap_or("?")
+}
+
+/// Reads column `index` of a row, naming it in any error.
+fn column<T: FromSqlOwned>(row: &postgres::Row, index: usize) -> Result<T, StoreError> {
+    row.try_get(index).map_err(|e| {
+        StoreError::Internal(format!("column {} cannot be read: {e}", column_name(index)))
+    })
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(
+    bytes: Option<Vec<u8>>,
+    column_name: &str,
+) -> Result<Option<T>, StoreError> {
+    bytes
+        .map(|b| {
+            serde_json::from_slice(&b).map_err(|e| {
+                StoreError::Internal(format!("column {column_name} cannot be decoded: {e}"))
+            })
+        })
+        .transpose()
+}
+
+/// Decodes one row selected with [`COLUMNS`].
+fn decode_row(row: &postgres::Row) -> Result<StoredRecord, StoreError> {
+    let opt_u64 = |index: usize| -> Result<Option<u64>, StoreError> {
+        column::<Option<i64>>(row, index)?
+            .map(|v| to_u64(v, column_name(index)))
+            .transpose()
+    };
+    let status: String = column(row, 6)?;
+    let result_ref = column::<Option<Vec<u8>>>(row, 14)?
+        .map(|bytes| {
+            String::from_utf8(bytes)
+                .map_err(|e| StoreError::Internal(format!("column result_ref is not UTF-8: {e}")))
+        })
+        .transpose()?;
+    Ok(StoredRecord {
+        id: to_u64(column(row, 0)?, "id")?,
+        key: RecordKey {
+            scope: column(row, 1)?,
+            biz_type: column(row, 2)?,
+            idem_key: column(row, 3)?,
+        },
+        fingerprint: column(row, 4)?,
+        fingerprint_version: to_u32(column(row, 5)?, "fingerprint_version")?,
+        status: parse_status(&status)?,
+        fencing_token: to_u64(column(row, 7)?, "fencing_token")?,
+        revision: to_u64(column(row, 8)?, "revision")?,
+        attempts: to_u32(column(row, 9)?, "attempts")?,
+        lease_until: opt_u64(10)?,
+        created_at: to_u64(column(row, 11)?, "created_at")?,
+        updated_at: to_u64(column(row, 12)?, "updated_at")?,
+        expires_at: opt_u64(13)?,
+        result_ref,
+        response: from_json::<StoredResponse>(column(row, 15)?, "response")?,
+        failure: from_json::<Failure>(column(row, 16)?, "failure")?,
+    })
+}

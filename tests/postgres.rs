@@ -1,0 +1,504 @@
+//! Many idem hosts on one PostgreSQL database.
+//!
+//! - Multi-host: two `idem serve` processes share one database in front of
+//!   one counting upstream; storms of identical requests spread over both
+//!   execute once per key.
+//! - Faults: the database connections of the proxies (or of an engine) are
+//!   killed with `pg_terminate_backend` mid-traffic; no key executes twice,
+//!   a lost connection is an error (never a new key), and service resumes.
+//!
+//! Each test works in a PostgreSQL schema of its own (dropped after), so the
+//! tests run in parallel on one database. Without `IDEM_TEST_PG_URL` every
+//! test prints why it was skipped.
+
+mod common;
+#[path = "support/serve.rs"]
+mod serve;
+#[path = "support/upstream.rs"]
+mod upstream;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, mpsc};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use common::{PgSchema, T0, key, request, unique_name};
+use idem::{
+    Completion, Decision, Engine, Error, ManualClock, PostgresOptions, PostgresStore, StoreError,
+    Success,
+};
+use serve::{Proxy, Resp, Serve};
+use upstream::Upstream;
+
+const BODY: &str = r#"{"sku":"A1","qty":2}"#;
+
+/// How long a test waits for the server to reach a state it set up.
+const SETTLE: Duration = Duration::from_secs(20);
+
+/// Two proxies on one schema, in front of one upstream.
+struct Hosts {
+    proxies: [Proxy; 2],
+    up: Upstream,
+    schema: PgSchema,
+    _dir: tempfile::TempDir,
+}
+
+impl Hosts {
+    /// `None` without a test server. `app` names the proxies' connections
+    /// (`application_name`); `config` is their TOML configuration.
+    fn start(app: &str, config: Option<&str>) -> Result<Option<Hosts>> {
+        let Some(schema) = PgSchema::new() else {
+            return Ok(None);
+        };
+        let dir = tempfile::tempdir()?;
+        let up = Upstream::start()?;
+        let url = schema.url_with("application_name", app);
+        let start = || -> Result<Proxy> {
+            let mut s = Serve::postgres(&up.url(), &url, &schema.name, dir.path());
+            if let Some(c) = config {
+                s = s.config(c);
+            }
+            s.start()
+        };
+        // Started one after the other and then together would both work
+        // (migrations take an advisory lock); together is the harder case.
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(start);
+            let b = s.spawn(start);
+            (a.join(), b.join())
+        });
+        let a = a.map_err(|_| anyhow::anyhow!("starting proxy A panicked"))??;
+        let b = b.map_err(|_| anyhow::anyhow!("starting proxy B panicked"))??;
+        Ok(Some(Hosts {
+            proxies: [a, b],
+            up,
+            schema,
+            _dir: dir,
+        }))
+    }
+
+    /// Records in the schema by status, read with plain SQL.
+    fn statuses(&self) -> Result<HashMap<String, i64>> {
+        let mut c = self.schema.raw()?;
+        let rows = c.query(
+            &format!(
+                "SELECT status, COUNT(*) FROM \"{}\".idempotency_record GROUP BY status",
+                self.schema.name
+            ),
+            &[],
+        )?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+}
+
+/// What one storm of identical requests got back.
+#[derive(Default, Debug)]
+struct Tally {
+    fresh: usize,
+    replayed: usize,
+    in_progress: usize,
+}
+
+fn tally(answers: &[Resp]) -> Result<Tally> {
+    let mut t = Tally::default();
+    let mut body: Option<&[u8]> = None;
+    for r in answers {
+        match r.status {
+            201 => {
+                if r.replayed() {
+                    t.replayed += 1;
+                } else {
+                    t.fresh += 1;
+                }
+                // Every 201 carries the one execution's answer.
+                match body {
+                    None => body = Some(&r.body),
+                    Some(b) => ensure!(b == r.body, "two different answers: {:?}", r.text()),
+                }
+            }
+            409 => {
+                r.expect_problem(409, "request-in-progress")?;
+                t.in_progress += 1;
+            }
+            other => bail!("status {other}: {:?}", r.text()),
+        }
+    }
+    Ok(t)
+}
+
+#[test]
+fn two_proxies_on_one_database_execute_each_key_once() -> Result<()> {
+    /// Concurrent identical requests per key, spread over both proxies.
+    const CONCURRENT: usize = 200;
+    /// Distinct keys after the first storm, each with its own storm.
+    const KEYS: usize = 100;
+    let Some(hosts) = Hosts::start(&unique_name("idem_multi"), None)? else {
+        return Ok(());
+    };
+    let requests = AtomicUsize::new(0);
+    let barrier = Barrier::new(CONCURRENT);
+    // The first storm on a slow path (every duplicate arrives while the
+    // first request runs), then one storm per key on a fast one.
+    let storms: Vec<(String, &str)> = std::iter::once(("storm".to_string(), "/slow?ms=300"))
+        .chain((0..KEYS).map(|k| (format!("key-{k}"), "/orders")))
+        .collect();
+    let answers: Vec<Vec<Resp>> = std::thread::scope(|s| -> Result<Vec<Vec<Resp>>> {
+        let handles: Vec<_> = (0..CONCURRENT)
+            .map(|n| {
+                let proxy = &hosts.proxies[n % 2];
+                let (barrier, storms, requests) = (&barrier, &storms, &requests);
+                s.spawn(move || -> Result<Vec<Resp>> {
+                    let mut mine = Vec::new();
+                    for (key, path) in storms {
+                        barrier.wait();
+                        requests.fetch_add(1, Ordering::Relaxed);
+                        mine.push(proxy.post(path).key(key).json(BODY).send()?);
+                    }
+                    Ok(mine)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("client panicked"))?)
+            .collect()
+    })?;
+
+    let sent = requests.load(Ordering::Relaxed);
+    ensure!(sent == CONCURRENT * (KEYS + 1));
+    let executions = hosts.up.total();
+    for (i, (key, _)) in storms.iter().enumerate() {
+        let storm: Vec<Resp> = answers.iter().map(|a| a[i].clone()).collect();
+        let t = tally(&storm).with_context(|| format!("key {key}"))?;
+        ensure!(t.fresh == 1, "key {key}: {t:?}");
+        ensure!(
+            hosts.up.count_for(key) == 1,
+            "key {key} executed {} times",
+            hosts.up.count_for(key)
+        );
+    }
+    ensure!(
+        executions == KEYS + 1,
+        "{executions} executions for {} keys",
+        KEYS + 1
+    );
+    let statuses = hosts.statuses()?;
+    ensure!(
+        statuses.get("succeeded") == Some(&((KEYS + 1) as i64)) && statuses.len() == 1,
+        "{statuses:?}"
+    );
+    println!(
+        "multi-host: {sent} requests sent to 2 proxies ({CONCURRENT} concurrent per key, {} keys); \
+         upstream executions counted: {executions}",
+        KEYS + 1
+    );
+    Ok(())
+}
+
+/// Kills every backend named `app`; returns how many there were.
+fn kill_backends(admin: &mut postgres::Client, app: &str) -> Result<i64> {
+    Ok(admin
+        .query_one(
+            "SELECT COUNT(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = $1) AS killed",
+            &[&app],
+        )?
+        .get(0))
+}
+
+/// What a client got for one key, retrying while the store was down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyFate {
+    /// 201 after this many 503s.
+    Done(usize),
+    /// 409: the key was claimed (or ran) but its outcome could not be
+    /// stored; it stays blocked until an operator settles it.
+    Blocked,
+}
+
+#[test]
+fn killed_database_connections_never_execute_a_key_twice_and_the_proxies_recover() -> Result<()> {
+    const WORKERS: usize = 8;
+    const KEYS_PER_WORKER: usize = 25;
+    /// Kill every connection after this many answers.
+    const KILL_EVERY: usize = 15;
+    const KILLS: usize = 8;
+    /// The most 503s one key may get before the test gives up.
+    const MAX_RETRIES: usize = 50;
+    // "manual": a key whose outcome was lost never runs again by itself,
+    // however long the test takes.
+    const CONFIG: &str = "[defaults]\nexpired_lease = \"manual\"\n";
+    let app = unique_name("idem_fault");
+    let Some(hosts) = Hosts::start(&app, Some(CONFIG))? else {
+        return Ok(());
+    };
+    let mut admin = hosts.schema.raw()?;
+
+    let (answered, progress) = mpsc::channel::<()>();
+    let unavailable = AtomicUsize::new(0);
+    let (fates, killed) = std::thread::scope(|s| -> Result<_> {
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|w| {
+                let (hosts, answered, unavailable) = (&hosts, answered.clone(), &unavailable);
+                s.spawn(move || -> Result<Vec<(String, KeyFate)>> {
+                    let mut fates = Vec::new();
+                    for k in 0..KEYS_PER_WORKER {
+                        let key = format!("fault-{w}-{k}");
+                        let mut retries = 0;
+                        let fate = loop {
+                            let proxy = &hosts.proxies[(k + retries) % 2];
+                            let r = proxy.post("/orders").key(&key).json(BODY).send()?;
+                            let _ = answered.send(());
+                            match r.status {
+                                201 => break KeyFate::Done(retries),
+                                409 => break KeyFate::Blocked,
+                                503 => {
+                                    r.expect_problem(503, "store-unavailable")?;
+                                    unavailable.fetch_add(1, Ordering::Relaxed);
+                                    retries += 1;
+                                    ensure!(retries < MAX_RETRIES, "key {key}: 503 forever");
+                                }
+                                other => bail!("key {key}: status {other}: {:?}", r.text()),
+                            }
+                        };
+                        fates.push((key, fate));
+                    }
+                    Ok(fates)
+                })
+            })
+            .collect();
+        drop(answered);
+        // Paced by the traffic, not by time: a kill after every few answers.
+        let mut killed = Vec::new();
+        let mut seen = 0;
+        while killed.len() < KILLS && progress.recv().is_ok() {
+            seen += 1;
+            if seen % KILL_EVERY == 0 {
+                killed.push(kill_backends(&mut admin, &app)?);
+            }
+        }
+        // Drain, so that no worker blocks on a full channel (it never
+        // does: the channel is unbounded; this only ends the receiver).
+        drop(progress);
+        let mut fates = Vec::new();
+        for h in workers {
+            fates.extend(h.join().map_err(|_| anyhow::anyhow!("worker panicked"))??);
+        }
+        Ok((fates, killed))
+    })?;
+
+    ensure!(
+        killed.len() == KILLS,
+        "only {} kills: {killed:?}",
+        killed.len()
+    );
+    ensure!(
+        killed.iter().all(|&n| n > 0),
+        "a kill found no connection: {killed:?}"
+    );
+    // No key ran twice; every key answered 201 ran exactly once.
+    for (key, fate) in &fates {
+        let runs = hosts.up.count_for(key);
+        match fate {
+            KeyFate::Done(_) => ensure!(runs == 1, "{key}: {fate:?} but {runs} executions"),
+            KeyFate::Blocked => ensure!(runs <= 1, "{key}: blocked but {runs} executions"),
+        }
+    }
+    let done = fates
+        .iter()
+        .filter(|(_, f)| matches!(f, KeyFate::Done(_)))
+        .count();
+    let blocked = fates.len() - done;
+    ensure!(
+        done > fates.len() / 2,
+        "{done} of {} keys done",
+        fates.len()
+    );
+
+    // The connections are back: every fresh key succeeds at the first try,
+    // on either proxy.
+    for i in 0..20 {
+        let key = format!("after-{i}");
+        let r = hosts.proxies[i % 2]
+            .post("/orders")
+            .key(&key)
+            .json(BODY)
+            .send()?;
+        r.expect_status(201)?;
+        ensure!(!r.replayed() && hosts.up.count_for(&key) == 1, "{key}");
+    }
+    println!(
+        "faults: {} kills ({} connections), {} keys: {done} done, {blocked} blocked; \
+         {} answers 503; upstream executions: {}",
+        killed.len(),
+        killed.iter().sum::<i64>(),
+        fates.len(),
+        unavailable.load(Ordering::Relaxed),
+        hosts.up.total()
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The engine itself, through the real component, on a killed connection.
+
+/// An engine on its own schema whose connections are named `app`.
+fn engine_on(schema: &PgSchema, app: &str) -> Result<(Engine, PostgresStore, ManualClock)> {
+    let store = PostgresStore::connect(
+        &schema.url_with("application_name", app),
+        PostgresOptions {
+            pool_size: 1,
+            ..schema.options()
+        },
+    )?;
+    let clock = ManualClock::new(T0);
+    let engine = Engine::builder()
+        .storage(store.clone())
+        .clock(clock.clone())
+        .build()?;
+    Ok((engine, store, clock))
+}
+
+/// Waits until a backend named `app` waits for a lock, then kills it.
+fn kill_when_waiting(admin: &mut postgres::Client, app: &str) -> Result<()> {
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let waiting: i64 = admin
+            .query_one(
+                "SELECT COUNT(*) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                &[&app],
+            )?
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no statement of {app} ever waited"
+        );
+        std::thread::yield_now();
+    }
+    ensure!(kill_backends(admin, app)? == 1);
+    Ok(())
+}
+
+#[test]
+fn a_lost_connection_during_complete_is_an_error_and_the_retry_records_once() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let app = unique_name("idem_engine");
+    let (engine, _store, _clock) = engine_on(&schema, &app)?;
+    let req = request("k1", BODY);
+    let Decision::Execute(ticket) = engine.begin(&req)? else {
+        bail!("expected execute");
+    };
+    // Another session holds the record, so the completion waits for it;
+    // its connection is killed meanwhile.
+    let mut blocker = schema.raw()?;
+    let mut admin = schema.raw()?;
+    let mut tx = blocker.transaction()?;
+    tx.execute(
+        &format!(
+            "SELECT 1 FROM \"{}\".idempotency_record FOR UPDATE",
+            schema.name
+        ),
+        &[],
+    )?;
+    let success = Success::with_ref("order-1");
+    let lost = std::thread::scope(|s| -> Result<_> {
+        let complete = s.spawn(|| engine.complete(&ticket, &req.policy, &success));
+        kill_when_waiting(&mut admin, &app)?;
+        complete
+            .join()
+            .map_err(|_| anyhow::anyhow!("complete panicked"))
+    })?;
+    ensure!(
+        matches!(lost, Err(Error::Store(StoreError::Unavailable(_)))),
+        "a lost connection must be an error: {lost:?}"
+    );
+    tx.rollback()?;
+    // The duplicate is told to wait, never to execute; the owner's retry
+    // records the outcome once; then the duplicate replays.
+    ensure!(matches!(engine.begin(&req)?, Decision::InProgress(_)));
+    ensure!(engine.complete(&ticket, &req.policy, &success)? == Completion::Recorded);
+    ensure!(engine.complete(&ticket, &req.policy, &success)? == Completion::Recorded);
+    match engine.begin(&req)? {
+        Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("order-1")),
+        other => bail!("expected replay, got {other:?}"),
+    }
+    let s = engine.inspect(&key("k1"))?.context("record")?;
+    ensure!(s.attempts == 1 && s.fencing_token == 1, "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn a_lost_connection_during_begin_is_an_error_never_a_new_key() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let app = unique_name("idem_engine");
+    let (engine, _store, _clock) = engine_on(&schema, &app)?;
+    let mut admin = schema.raw()?;
+    // Another host claims both keys in transactions it has not committed:
+    // the engine's claim waits to learn whether each key is taken, and its
+    // connection is killed meanwhile. One claim is then committed, the
+    // other rolled back.
+    let mut executions = 0;
+    for (k, commit) in [("k-committed", true), ("k-rolled-back", false)] {
+        let other = request(k, BODY);
+        let decision = {
+            // The other host's claim, inside a transaction that a blocker
+            // session holds open.
+            let mut blocker = schema.raw()?;
+            let mut tx = blocker.transaction()?;
+            tx.execute(
+                &format!(
+                    "INSERT INTO \"{}\".idempotency_record (scope_key, biz_type, idem_key, \
+                     request_hash, fingerprint_version, status, fencing_token, revision, \
+                     attempts, lease_until, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, 1, 'processing', 1, 1, 1, $5, $6, $6)",
+                    schema.name
+                ),
+                &[
+                    &other.key.scope,
+                    &other.key.biz_type,
+                    &other.key.idem_key,
+                    &"0".repeat(64),
+                    &i64::try_from(T0 + other.policy.lease_ms)?,
+                    &i64::try_from(T0)?,
+                ],
+            )?;
+            let lost = std::thread::scope(|s| -> Result<_> {
+                let begin = s.spawn(|| engine.begin(&other));
+                kill_when_waiting(&mut admin, &app)?;
+                begin.join().map_err(|_| anyhow::anyhow!("begin panicked"))
+            })?;
+            ensure!(
+                matches!(lost, Err(Error::Store(StoreError::Unavailable(_)))),
+                "{k}: a lost connection must be an error: {lost:?}"
+            );
+            if commit {
+                tx.commit()?;
+            } else {
+                tx.rollback()?;
+            }
+            // The retry, on a new connection.
+            engine.begin(&other)?
+        };
+        match (commit, decision) {
+            // The other host holds the key: never executed here.
+            (true, Decision::InProgress(_)) => {}
+            // The key is free: the retry executes, once.
+            (false, Decision::Execute(_)) => {
+                executions += 1;
+                ensure!(matches!(engine.begin(&other)?, Decision::InProgress(_)));
+            }
+            (_, d) => bail!("{k}: unexpected {d:?}"),
+        }
+    }
+    ensure!(executions == 1);
+    Ok(())
+}
