@@ -36,16 +36,6 @@ const DEFAULT_SCOPE: &str = "tenant-1";
 /// The biz type every scenario key has unless it names another.
 const DEFAULT_BIZ_TYPE: &str = "order.create";
 
-/// The fields of results that hold timestamps, reported relative to [`T0`].
-const TIME_FIELDS: [&str; 6] = [
-    "lease-until",
-    "completed-at",
-    "since",
-    "created-at",
-    "updated-at",
-    "expires-at",
-];
-
 // ---------------------------------------------------------------- harness
 
 /// A backend the scenarios run against: makes fresh, empty stores.
