@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use common::{PgSchema, T0, key, request, unique_name};
 use idem::{
-    Completion, Decision, Engine, Error, ManualClock, PostgresOptions, PostgresStore, StoreError,
-    Success,
+    BeginRequest, Completion, Decision, Engine, Error, ManualClock, MemoryStore, PostgresOptions,
+    PostgresStore, StoreError, Success,
 };
 use serve::{Proxy, Resp, Serve};
 use upstream::Upstream;
@@ -360,6 +360,21 @@ fn engine_on(schema: &PgSchema, app: &str) -> Result<(Engine, PostgresStore, Man
     Ok((engine, store, clock))
 }
 
+/// The fingerprint the engine computes for `req`, read back from a record
+/// it writes in a scratch in-memory store: another host's claim of the same
+/// request stores exactly this.
+fn fingerprint_of(req: &BeginRequest) -> Result<String> {
+    let engine = Engine::builder()
+        .storage(MemoryStore::new())
+        .clock(ManualClock::new(T0))
+        .build()?;
+    ensure!(matches!(engine.begin(req)?, Decision::Execute(_)));
+    let status = engine
+        .inspect(&req.key)?
+        .context("the scratch store holds the claim")?;
+    Ok(status.fingerprint)
+}
+
 /// Waits until a backend named `app` waits for a lock, then kills it.
 fn kill_when_waiting(admin: &mut postgres::Client, app: &str) -> Result<()> {
     let deadline = Instant::now() + SETTLE;
@@ -449,6 +464,7 @@ fn a_lost_connection_during_begin_is_an_error_never_a_new_key() -> Result<()> {
     let mut executions = 0;
     for (k, commit) in [("k-committed", true), ("k-rolled-back", false)] {
         let other = request(k, BODY);
+        let fingerprint = fingerprint_of(&other)?;
         let decision = {
             // The other host's claim, inside a transaction that a blocker
             // session holds open.
@@ -466,7 +482,7 @@ fn a_lost_connection_during_begin_is_an_error_never_a_new_key() -> Result<()> {
                     &other.key.scope,
                     &other.key.biz_type,
                     &other.key.idem_key,
-                    &"0".repeat(64),
+                    &fingerprint,
                     &i64::try_from(T0 + other.policy.lease_ms)?,
                     &i64::try_from(T0)?,
                 ],
