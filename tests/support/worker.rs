@@ -9,15 +9,21 @@
 //!                      "holding", block (the crash between business write and status update)
 //!     mode = in-tx:    claim, write the business row inside the business transaction,
 //!                      print "holding", block before it commits
+//! idem-test-worker crash <db> <now> <seed>
+//!     print "ready", then run random operations over 8 keys forever, printing
+//!     "op N" after each: business actions in the business transaction
+//!     (`run_in_transaction`, each writing one `orders` row), claims left
+//!     unfinished, extends, failures, sweeps, reconciles and clock advances.
+//!     A refusal the engine must never give prints "bad ..." and exits.
 //! ```
-//! The parent kills `hold` workers with SIGKILL.
+//! The parent kills `hold` and `crash` workers with SIGKILL.
 
 use std::io::{BufRead, Write};
 
 use anyhow::{Context, Result, bail};
 use idem::{
-    ActionResult, BeginRequest, Decision, Engine, ManualClock, Policy, RecordKey, RunOutcome,
-    SqliteOptions, SqliteStore, Success,
+    ActionResult, BeginRequest, Decision, Disposition, Engine, ExpiredLease, Failure, ManualClock,
+    Policy, RecordKey, RunOutcome, SqliteOptions, SqliteStore, Success, Ticket,
 };
 
 /// The business table the tests count side effects in. No unique
@@ -125,7 +131,151 @@ fn main() -> Result<()> {
                 other => bail!("unknown mode {other}"),
             }
         }
-        _ => bail!("usage: idem-test-worker race <db> <keys> | hold <db> <key> <now> <mode>"),
+        ["crash", db, now, seed] => crash(db, now.parse().context("now")?, seed.parse()?)?,
+        _ => bail!(
+            "usage: idem-test-worker race <db> <keys> | hold <db> <key> <now> <mode> \
+             | crash <db> <now> <seed>"
+        ),
+    }
+    Ok(())
+}
+
+/// The business table of `crash`: one row per business action that took
+/// effect, naming the ownership generation it ran under. The parent
+/// (tests/crash.rs) creates it.
+const CRASH_INSERT: &str =
+    "INSERT INTO orders (idem_key, record_id, fencing_token) VALUES (?1, ?2, ?3)";
+
+/// How many keys `crash` works on: few, so that keys are contended,
+/// expire and are taken over.
+const CRASH_KEYS: u64 = 8;
+
+/// A small xorshift generator: the worker needs no statistical quality,
+/// only a seeded sequence.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The crash policy: a short lease and retention, so that the parent's
+/// clock steps between runs expire leases and records.
+pub fn crash_policy(seed: u64) -> Policy {
+    Policy {
+        lease_ms: 1_000,
+        retention_ms: 5_000,
+        expired_lease: match seed % 3 {
+            0 => ExpiredLease::TakeOver,
+            1 => ExpiredLease::Reconcile,
+            _ => ExpiredLease::Manual,
+        },
+        ..Policy::default()
+    }
+}
+
+fn crash(db: &str, now: u64, seed: u64) -> Result<()> {
+    let clock = ManualClock::new(now);
+    let store = SqliteStore::open(db, SqliteOptions::default())?;
+    // Business writes commit only together with the success, so the
+    // business system is sure: no committed row without a success.
+    let engine = Engine::builder()
+        .storage(store)
+        .clock(clock.clone())
+        .results(|_: &RecordKey| Ok(None))
+        .build()?;
+    let policy = crash_policy(seed);
+    let mut rng = Rng(seed.max(1));
+    let mut held: Vec<Ticket> = Vec::new();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "ready")?;
+    out.flush()?;
+    for n in 0u64.. {
+        let k = format!("k{}", rng.below(CRASH_KEYS));
+        let req = BeginRequest::json(key(&k), "{}", policy.clone());
+        let roll = rng.below(100);
+        let answer: Result<(), idem::Error> = match roll {
+            0..45 => {
+                let outcome = rng.below(100);
+                engine
+                    .run_in_transaction(&req, |t, conn| {
+                        if let Err(e) = conn.execute(
+                            CRASH_INSERT,
+                            (&k, t.record_id as i64, t.fencing_token as i64),
+                        ) {
+                            return ActionResult::retryable("db", e);
+                        }
+                        let failed = |d| {
+                            let f = Failure {
+                                code: "declined".into(),
+                                message: String::new(),
+                                response: None,
+                            };
+                            ActionResult::Failed(f, d)
+                        };
+                        match outcome {
+                            0..70 => ActionResult::Succeeded(Success::with_ref(format!(
+                                "order-{}-{}",
+                                t.record_id, t.fencing_token
+                            ))),
+                            70..82 => failed(Disposition::Retryable),
+                            82..92 => failed(Disposition::Final),
+                            _ => failed(Disposition::OutcomeUnknown),
+                        }
+                    })
+                    .map(drop)
+            }
+            45..55 => engine.begin(&req).map(|d| {
+                if let Decision::Execute(t) = d {
+                    held.push(t);
+                }
+            }),
+            55..65 if !held.is_empty() => {
+                let t = &held[rng.below(held.len() as u64) as usize];
+                engine.extend(t, &policy).map(drop)
+            }
+            65..72 if !held.is_empty() => {
+                let t = held.swap_remove(rng.below(held.len() as u64) as usize);
+                let d = if rng.below(2) == 0 {
+                    Disposition::Retryable
+                } else {
+                    Disposition::OutcomeUnknown
+                };
+                let f = Failure {
+                    code: "gave-up".into(),
+                    message: String::new(),
+                    response: None,
+                };
+                engine.fail(&t, &policy, &f, d).map(drop)
+            }
+            72..80 => engine.sweep(100).map(drop),
+            80..88 => engine.reconcile("order.create", &policy, 100).map(drop),
+            _ => {
+                clock.advance(rng.below(2_000));
+                Ok(())
+            }
+        };
+        match answer {
+            // SQLite busy: the store's answer, not the engine's fault.
+            Ok(()) | Err(idem::Error::Store(_)) => {}
+            Err(e) => {
+                writeln!(out, "bad {e}")?;
+                out.flush()?;
+                bail!("{e}");
+            }
+        }
+        writeln!(out, "op {n}")?;
+        out.flush()?;
     }
     Ok(())
 }
