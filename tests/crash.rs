@@ -99,11 +99,20 @@ fn check(db: &Path, engine: &Engine) -> Result<Tally> {
     ensure!(store.integrity_check()?, "PRAGMA integrity_check failed");
     let conn = rusqlite::Connection::open(db)?;
     let impossible = count(&conn, IMPOSSIBLE)?;
-    ensure!(impossible == 0, "{impossible} records in an impossible state");
+    ensure!(
+        impossible == 0,
+        "{impossible} records in an impossible state"
+    );
     // The engine's own check of every record.
     let mut stmt = conn.prepare("SELECT scope_key, biz_type, idem_key FROM idempotency_record")?;
     let keys = stmt
-        .query_map([], |r| Ok(RecordKey::new(r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)))?
+        .query_map([], |r| {
+            Ok(RecordKey::new(
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+            ))
+        })?
         .collect::<Result<Vec<_>, _>>()?;
     for key in keys {
         engine
@@ -135,7 +144,10 @@ fn check(db: &Path, engine: &Engine) -> Result<Tally> {
         "SELECT count(*) FROM retired_success t WHERE NOT EXISTS (SELECT 1 FROM orders o
             WHERE o.record_id = t.record_id AND o.fencing_token = t.fencing_token)",
     )?;
-    ensure!(unbacked == 0, "{unbacked} successes without a business effect");
+    ensure!(
+        unbacked == 0,
+        "{unbacked} successes without a business effect"
+    );
     let tally = Tally {
         orders: count(&conn, "SELECT count(*) FROM orders")?,
         succeeded: count(

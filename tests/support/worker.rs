@@ -1,4 +1,5 @@
-//! A worker process for the multi-process tests in `tests/processes.rs`.
+//! A worker process for the multi-process tests in `tests/processes.rs` and
+//! `tests/crash.rs`.
 //!
 //! ```text
 //! idem-test-worker race <db> <keys>           wait for "go" on stdin, then claim and

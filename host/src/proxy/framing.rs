@@ -86,6 +86,7 @@ impl Framing {
 
     /// True while the connection waits for a head (none started, none
     /// lost track of).
+    #[cfg(test)]
     pub(crate) fn between_requests(&self) -> bool {
         self.state == State::Head && self.head.is_empty()
     }
@@ -366,7 +367,10 @@ mod tests {
         assert!(!f.head_started() && !f.between_requests());
         f.feed(b"b");
         assert!(f.between_requests());
-        assert_eq!((f.heads(), f.take_verdict(), f.take_verdict()), (1, false, false));
+        assert_eq!(
+            (f.heads(), f.take_verdict(), f.take_verdict()),
+            (1, false, false)
+        );
     }
 
     #[test]

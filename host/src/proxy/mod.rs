@@ -536,7 +536,8 @@ impl Inner {
             return self.refuse(too_large());
         }
         let body_timeout = Duration::from_millis(self.config.body_read_timeout_ms);
-        let read = tokio::time::timeout(body_timeout, Limited::new(&mut body, limit_usize).collect());
+        let read =
+            tokio::time::timeout(body_timeout, Limited::new(&mut body, limit_usize).collect());
         let Ok(read) = read.await else {
             // A body that stops before its Content-Length (or trickles):
             // nothing was asked of the engine, nothing is stored.
