@@ -46,10 +46,10 @@ const RETENTION_MS: u64 = 10_000;
 const BIZ: &str = "order.create";
 
 /// Default sizes: a few seconds in a debug build on a busy machine.
-const DEFAULT_CASES: u32 = 6;
+const DEFAULT_CASES: u32 = 16;
 const DEFAULT_THREADS: usize = 4;
-const DEFAULT_OPS: usize = 60;
-const DEFAULT_KEYS: usize = 3;
+const DEFAULT_OPS: usize = 80;
+const DEFAULT_KEYS: usize = 2;
 
 fn env_size(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -615,7 +615,25 @@ fn check_shape(r: &StoredRecord, clock_after: u64) -> Result<(), TestCaseError> 
     }
 }
 
-fn check(log: &Log) -> Result<(), TestCaseError> {
+/// What one or more cases did, for the summary line.
+#[derive(Debug, Default, Clone, Copy)]
+struct Stats {
+    ops: u64,
+    executions: u64,
+    successes: u64,
+    records_read: u64,
+}
+
+impl Stats {
+    fn add(&mut self, o: Stats) {
+        self.ops += o.ops;
+        self.executions += o.executions;
+        self.successes += o.successes;
+        self.records_read += o.records_read;
+    }
+}
+
+fn check(log: &Log) -> Result<Stats, TestCaseError> {
     let events = log.events.lock().unwrap().clone();
     let mut granted: Vec<(&Ticket, u64, u64, u64)> = Vec::new();
     let mut extended: Vec<(&Ticket, u64, u64)> = Vec::new();
@@ -748,7 +766,12 @@ fn check(log: &Log) -> Result<(), TestCaseError> {
             }
         }
     }
-    Ok(())
+    Ok(Stats {
+        ops: log.ops.load(Ordering::Relaxed),
+        executions: granted.len() as u64,
+        successes: succeeded.len() as u64,
+        records_read: snapshots.iter().filter(|s| s.1.is_some()).count() as u64,
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -760,7 +783,7 @@ enum Backend {
     Sqlite,
 }
 
-fn run_case(backend: Backend, plan: &Plan, size: Size) -> Result<u64, TestCaseError> {
+fn run_case(backend: Backend, plan: &Plan, size: Size) -> Result<Stats, TestCaseError> {
     let setup = |e: anyhow::Error| TestCaseError::fail(format!("setup: {e:#}"));
     match backend {
         Backend::Memory => run_world(
@@ -776,15 +799,20 @@ fn run_case(backend: Backend, plan: &Plan, size: Size) -> Result<u64, TestCaseEr
     }
 }
 
-fn run_world<S: Storage + Clone>(world: World<S>, plan: &Plan) -> Result<u64, TestCaseError> {
+fn run_world<S: Storage + Clone>(world: World<S>, plan: &Plan) -> Result<Stats, TestCaseError> {
     let world = Arc::new(world);
+    // All threads start together, so that their calls really interleave.
+    let barrier = Arc::new(std::sync::Barrier::new(plan.threads.len()));
     let handles: Vec<_> = plan
         .threads
         .iter()
         .cloned()
         .map(|actions| {
-            let world = world.clone();
-            std::thread::spawn(move || world.run(&actions))
+            let (world, barrier) = (world.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                world.run(&actions)
+            })
         })
         .collect();
     for h in handles {
@@ -792,14 +820,13 @@ fn run_world<S: Storage + Clone>(world: World<S>, plan: &Plan) -> Result<u64, Te
             .map_err(|_| TestCaseError::fail("a thread panicked"))??;
     }
     world.settle_everything()?;
-    check(&world.log)?;
-    Ok(world.log.ops.load(Ordering::Relaxed))
+    check(&world.log)
 }
 
 fn torture(backend: Backend) {
     let size = Size::from_env();
     let started = Instant::now();
-    let ops = AtomicU64::new(0);
+    let total = Mutex::new(Stats::default());
     let config = Config {
         cases: size.cases,
         failure_persistence: None,
@@ -807,21 +834,31 @@ fn torture(backend: Backend) {
     };
     let mut runner = TestRunner::new(config);
     let result = runner.run(&plan(size), |plan| {
-        ops.fetch_add(run_case(backend, &plan, size)?, Ordering::Relaxed);
+        let stats = run_case(backend, &plan, size)?;
+        total.lock().unwrap().add(stats);
         Ok(())
     });
+    let total = *total.lock().unwrap();
     println!(
-        "torture {backend:?}: {} cases x {} threads x {} ops on {} keys: {} operations in {:.1} s",
+        "torture {backend:?}: {} cases x {} threads x {} ops on {} keys: {} operations \
+         ({} executions, {} acknowledged successes, {} records checked) in {:.1} s",
         size.cases,
         size.threads,
         size.ops,
         size.keys,
-        ops.load(Ordering::Relaxed),
+        total.ops,
+        total.executions,
+        total.successes,
+        total.records_read,
         started.elapsed().as_secs_f64()
     );
     if let Err(e) = result {
         panic!("{e}");
     }
+    assert!(
+        total.executions > 0 && total.successes > 0 && total.records_read > 0,
+        "the plans exercised nothing: {total:?}"
+    );
 }
 
 #[test]
