@@ -14,9 +14,9 @@
 //! sleeping: some workers die before they print anything, most after a
 //! random number of operations.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Lines, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -30,9 +30,10 @@ const ITERATIONS: u64 = 100;
 /// The most operations a worker runs before it is killed: short runs keep
 /// the test well under a minute, since every run starts a process.
 const MAX_OPS_BEFORE_KILL: u64 = 40;
-/// Virtual time between two runs: more than the crash policy's lease (1 s),
-/// so that claims left by a killed worker expire, and a retention (5 s)
-/// passes every few runs, so that records are swept and re-created.
+/// Virtual time between two runs, after the last time a killed worker
+/// wrote: more than the crash policy's lease (1 s), so that claims left by a
+/// killed worker expire, and a retention (5 s) passes every few runs, so
+/// that records are swept and re-created.
 const CLOCK_STEP_MS: u64 = 1_500;
 
 /// The business table, and the log of successes that left the record
@@ -54,7 +55,7 @@ const SCHEMA: &str = "
 /// Records whose fields do not fit their status, or whose counters cannot
 /// have been written by the engine.
 const IMPOSSIBLE: &str = "
-    SELECT count(*) FROM idempotency_record WHERE NOT (
+    SELECT * FROM idempotency_record WHERE NOT (
         fencing_token >= 1 AND revision >= 1 AND attempts >= 1 AND attempts <= fencing_token
         AND created_at <= updated_at AND length(request_hash) = 64
         AND CASE status
@@ -98,11 +99,33 @@ fn check(db: &Path, engine: &Engine) -> Result<Tally> {
     let store = SqliteStore::open(db, SqliteOptions::default())?;
     ensure!(store.integrity_check()?, "PRAGMA integrity_check failed");
     let conn = rusqlite::Connection::open(db)?;
-    let impossible = count(&conn, IMPOSSIBLE)?;
-    ensure!(
-        impossible == 0,
-        "{impossible} records in an impossible state"
-    );
+    let impossible = count(&conn, &format!("SELECT count(*) FROM ({IMPOSSIBLE})"))?;
+    if impossible > 0 {
+        let mut stmt = conn.prepare(&format!(
+            "SELECT id, status, fencing_token, revision, attempts, lease_until, expires_at, \
+             result_ref, failure IS NOT NULL, created_at, updated_at FROM ({IMPOSSIBLE})"
+        ))?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(format!(
+                    "id {} {} token {} revision {} attempts {} lease {:?} expires {:?} ref {:?} \
+                     failure {} created {} updated {}",
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                    r.get::<_, i64>(3)?,
+                    r.get::<_, i64>(4)?,
+                    r.get::<_, Option<i64>>(5)?,
+                    r.get::<_, Option<i64>>(6)?,
+                    r.get::<_, Option<String>>(7)?,
+                    r.get::<_, bool>(8)?,
+                    r.get::<_, i64>(9)?,
+                    r.get::<_, i64>(10)?,
+                ))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        bail!("records in an impossible state: {rows:#?}");
+    }
     // The engine's own check of every record.
     let mut stmt = conn.prepare("SELECT scope_key, biz_type, idem_key FROM idempotency_record")?;
     let keys = stmt
@@ -166,40 +189,83 @@ fn check(db: &Path, engine: &Engine) -> Result<Tally> {
     Ok(tally)
 }
 
-/// Runs one worker and kills it after `ops` operations (before its first
-/// line when `ops` is `None`). Returns how many operations it reported.
-fn run_and_kill(db: &Path, now: u64, seed: u64, ops: Option<u64>) -> Result<u64> {
-    let mut child = Command::new(WORKER)
-        .args(["crash", db.to_str().context("path")?])
-        .arg(now.to_string())
-        .arg(seed.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()?;
-    // Kept open until the worker is dead: a closed pipe would make it stop
-    // by itself at a print, not at a random point.
-    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
-    let mut done = 0;
-    let result = (|| -> Result<()> {
-        let Some(target) = ops else { return Ok(()) };
-        for line in (&mut out).lines() {
-            let line = line?;
-            if line.starts_with("bad ") {
-                bail!("the worker hit an engine error: {line}");
+/// The worker that forks the runs (`idem-test-worker crash-zygote`): it
+/// compiles the engine component once, so a run starts in milliseconds.
+struct Zygote {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Zygote {
+    fn start() -> Result<Zygote> {
+        let mut child = Command::new(WORKER)
+            .arg("crash-zygote")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+        let mut z = Zygote {
+            child,
+            stdin,
+            lines,
+        };
+        ensure!(z.line()? == "ready", "the zygote did not start");
+        Ok(z)
+    }
+
+    fn line(&mut self) -> Result<String> {
+        self.lines
+            .next()
+            .context("the zygote's output ended")?
+            .map_err(Into::into)
+    }
+
+    /// Forks one run and kills it with SIGKILL after `ops` operations
+    /// (before it reports anything when `ops` is `None`). Returns how many
+    /// operations it reported.
+    fn run_and_kill(&mut self, db: &Path, now: u64, seed: u64, ops: Option<u64>) -> Result<u64> {
+        let db = db.to_str().context("path")?;
+        writeln!(self.stdin, "run {db} {now} {seed}")?;
+        self.stdin.flush()?;
+        let pid: libc::pid_t = loop {
+            let line = self.line()?;
+            if let Some(pid) = line.strip_prefix("pid ") {
+                break pid.parse()?;
             }
-            if line.starts_with("op ") {
-                done += 1;
+        };
+        let mut done = 0;
+        let result = (|| -> Result<()> {
+            let Some(target) = ops else { return Ok(()) };
+            while done < target {
+                let line = self.line()?;
+                if line.starts_with("bad ") {
+                    bail!("the worker hit an engine error: {line}");
+                }
+                if line.starts_with("op ") {
+                    done += 1;
+                }
             }
-            if done >= target {
-                return Ok(());
-            }
-        }
-        bail!("the worker stopped by itself after {done} operations")
-    })();
-    child.kill()?; // SIGKILL
-    child.wait()?;
-    drop(out);
-    result.map(|()| done)
+            Ok(())
+        })();
+        // SAFETY: kill(2) on the zygote's child, which is not reaped before
+        // the `reap` below, so its pid cannot have been reused.
+        let killed = unsafe { libc::kill(pid, libc::SIGKILL) };
+        ensure!(killed == 0, "kill: {}", std::io::Error::last_os_error());
+        writeln!(self.stdin, "reap {pid}")?;
+        self.stdin.flush()?;
+        // What the run printed before it died is skipped.
+        while self.line()? != format!("reaped {pid}") {}
+        result.map(|()| done)
+    }
+}
+
+impl Drop for Zygote {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 #[test]
@@ -216,25 +282,41 @@ fn sigkill_at_random_points_leaves_a_consistent_database() -> Result<()> {
         .storage(SqliteStore::open(&db, SqliteOptions::default())?)
         .clock(clock.clone())
         .build()?;
+    let mut zygote = Zygote::start()?;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut total_ops = 0;
+    let mut running = std::time::Duration::ZERO;
     let mut tally = None;
+    let mut now = T0;
     for i in 0..ITERATIONS {
-        let now = T0 + i * CLOCK_STEP_MS;
+        // Each worker has its own clock: start it after every time the
+        // killed ones wrote, so that time never goes back across workers.
+        let written: Option<i64> = rusqlite::Connection::open(&db)?.query_row(
+            "SELECT max(updated_at) FROM idempotency_record",
+            [],
+            |r| r.get(0),
+        )?;
+        let written = written.map_or(0, |t| u64::try_from(t).unwrap_or(0));
+        now = now.max(written) + CLOCK_STEP_MS;
         clock.set(now);
         // One run in ten dies before it has done anything.
         let ops = (rng.below(10) != 0).then(|| rng.below(MAX_OPS_BEFORE_KILL) + 1);
-        total_ops += run_and_kill(&db, now, i, ops).with_context(|| format!("run {i}"))?;
+        let run = Instant::now();
+        total_ops += zygote
+            .run_and_kill(&db, now, i, ops)
+            .with_context(|| format!("run {i}"))?;
+        running += run.elapsed();
         tally = Some(check(&db, &checker).with_context(|| format!("after kill {i}"))?);
     }
     let tally = tally.context("no run")?;
     println!(
         "crash: {ITERATIONS} kills, {total_ops} operations reported before them, \
-         {} business effects = {} stored + {} retired successes, {:.1} s",
+         {} business effects = {} stored + {} retired successes, {:.1} s ({:.1} s in workers)",
         tally.orders,
         tally.succeeded,
         tally.retired,
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        running.as_secs_f64()
     );
     ensure!(tally.orders > 0, "no business action ever succeeded");
     ensure!(tally.retired > 0, "no success was ever swept or replaced");

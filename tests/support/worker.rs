@@ -16,6 +16,11 @@
 //!     (`run_in_transaction`, each writing one `orders` row), claims left
 //!     unfinished, extends, failures, sweeps, reconciles and clock advances.
 //!     A refusal the engine must never give prints "bad ..." and exits.
+//! idem-test-worker crash-zygote
+//!     compile the engine component once, print "ready", then read commands:
+//!     "run <db> <now> <seed>" forks a child that runs `crash` (printing its
+//!     lines) and prints "pid N"; "reap N" waits for that child and prints
+//!     "reaped N". Forking skips compiling the component for every run.
 //! ```
 //! The parent kills `hold` and `crash` workers with SIGKILL.
 
@@ -133,9 +138,10 @@ fn main() -> Result<()> {
             }
         }
         ["crash", db, now, seed] => crash(db, now.parse().context("now")?, seed.parse()?)?,
+        ["crash-zygote"] => zygote()?,
         _ => bail!(
             "usage: idem-test-worker race <db> <keys> | hold <db> <key> <now> <mode> \
-             | crash <db> <now> <seed>"
+             | crash <db> <now> <seed> | crash-zygote"
         ),
     }
     Ok(())
@@ -279,4 +285,68 @@ fn crash(db: &str, now: u64, seed: u64) -> Result<()> {
         out.flush()?;
     }
     Ok(())
+}
+
+/// `crash-zygote`: forks `crash` runs from a process that has compiled the
+/// engine component already.
+fn zygote() -> Result<()> {
+    // Compiles the default component into this process; the children
+    // forked below reuse it. No database is opened here: a SQLite
+    // connection must not cross a fork.
+    Engine::builder()
+        .storage(idem::MemoryStore::new())
+        .build()?;
+    let mut out = std::io::stdout();
+    writeln!(out, "ready")?;
+    out.flush()?;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if std::io::stdin().read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["run", db, now, seed] => {
+                let (now, seed): (u64, u64) = (now.parse()?, seed.parse()?);
+                out.flush()?;
+                // SAFETY: fork(2) in a test worker. The child only runs
+                // `crash` (which opens its own database connection) and
+                // leaves with _exit(2); nothing it inherits is shared with a
+                // thread of the parent: no lock is held across the fork.
+                match unsafe { libc::fork() } {
+                    -1 => bail!("fork: {}", std::io::Error::last_os_error()),
+                    0 => {
+                        // Whatever ends the run is reported, so that the
+                        // parent never waits for lines that cannot come.
+                        let run = std::panic::catch_unwind(|| crash(db, now, seed));
+                        let why = match run {
+                            Ok(Ok(())) => "the run ended".to_owned(),
+                            Ok(Err(e)) => format!("{e:#}"),
+                            Err(_) => "a panic".to_owned(),
+                        };
+                        println!("bad {why}");
+                        let code = 1;
+                        // SAFETY: ends the child without running the
+                        // parent's exit handlers a second time.
+                        unsafe { libc::_exit(code) }
+                    }
+                    child => {
+                        writeln!(out, "pid {child}")?;
+                        out.flush()?;
+                    }
+                }
+            }
+            ["reap", pid] => {
+                let pid: libc::pid_t = pid.parse()?;
+                let mut status = 0;
+                // SAFETY: waits for our own child.
+                if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+                    bail!("waitpid {pid}: {}", std::io::Error::last_os_error());
+                }
+                writeln!(out, "reaped {pid}")?;
+                out.flush()?;
+            }
+            _ => bail!("unknown command {line:?}"),
+        }
+    }
 }
