@@ -1017,6 +1017,6 @@ fn faulty_wrapper_follows_the_mock() -> Result<()> {
         assert_eq!(m.is_ok(), f.is_ok(), "{k}: {m:?} / {f:?}");
     }
     assert_eq!(mem.len(), 2);
-    assert_eq!(faulty.inner.len(), 2);
+    assert_eq!(faulty.inner().len(), 2);
     Ok(())
 }
