@@ -27,8 +27,8 @@ const T0: u64 = 1_767_225_600_000;
 
 /// Kills, as the issue asks.
 const ITERATIONS: u64 = 100;
-/// The most operations a worker runs before it is killed: short runs keep
-/// the test well under a minute, since every run starts a process.
+/// The most operations a run reports before it is killed: short runs, so
+/// that the 100 kills land at many different points and the test stays fast.
 const MAX_OPS_BEFORE_KILL: u64 = 40;
 /// Virtual time between two runs, after the last time a killed worker
 /// wrote: more than the crash policy's lease (1 s), so that claims left by a

@@ -15,8 +15,8 @@
 //! The size is small by default (a few seconds). The large size:
 //!
 //! ```sh
-//! IDEM_TORTURE_CASES=64 IDEM_TORTURE_THREADS=8 IDEM_TORTURE_OPS=400 \
-//!     cargo test --release --test torture -- --nocapture
+//! IDEM_TORTURE_CASES=256 IDEM_TORTURE_THREADS=8 IDEM_TORTURE_OPS=400 \
+//!     cargo test --test torture -- --nocapture
 //! ```
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -224,7 +224,7 @@ enum Event {
     /// A record as read directly from the store.
     Snapshot {
         key: RecordKey,
-        record: Option<StoredRecord>,
+        record: Option<Box<StoredRecord>>,
         /// The clock just after the read.
         clock_after: u64,
         start: u64,
@@ -354,7 +354,7 @@ impl<S: Storage + Clone> World<S> {
             let end = self.log.tick();
             self.log.push(Event::Snapshot {
                 key: k,
-                record,
+                record: record.map(Box::new),
                 clock_after,
                 start,
                 end,
@@ -662,7 +662,7 @@ fn check(log: &Log) -> Result<Stats, TestCaseError> {
                 clock_after,
                 start,
                 end,
-            } => snapshots.push((key, record.as_ref(), *clock_after, *start, *end)),
+            } => snapshots.push((key, record.as_deref(), *clock_after, *start, *end)),
         }
     }
     let same = |a: &Ticket, b: &Ticket| {
