@@ -26,6 +26,10 @@ use idem::{
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
+#[path = "support/faulty.rs"]
+mod faulty;
+use faulty::Faulty;
+
 /// Where every scenario's virtual clock starts: 2026-01-01T00:00:00Z. Every
 /// time in the scenario files is relative to it.
 const T0: u64 = 1_767_225_600_000;
@@ -135,112 +139,7 @@ impl Fixture for SqliteFixture {
         self.store.inject(op, kind, count);
     }
     fn raw(&self) -> &dyn Storage {
-        &self.store.inner
-    }
-}
-
-/// A pending fault of [`Faulty`].
-struct Fault {
-    op: Option<Op>,
-    remaining: u32,
-    kind: FaultKind,
-}
-
-/// Wraps any [`Storage`] with the mock's fault injection, so that fault
-/// scenarios run on durable stores too. Same semantics as `MemoryStore`:
-/// the oldest matching fault is used first, one per call; `unavailable` and
-/// `internal` fail before the call, `lost-ack` after it.
-#[derive(Clone)]
-pub struct Faulty<S> {
-    inner: S,
-    faults: Arc<Mutex<Vec<Fault>>>,
-}
-
-impl<S: Storage> Faulty<S> {
-    fn new(inner: S) -> Self {
-        Self {
-            inner,
-            faults: Arc::default(),
-        }
-    }
-
-    fn inject(&self, op: Option<Op>, kind: FaultKind, count: u32) {
-        if count > 0 {
-            self.faults
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(Fault {
-                    op,
-                    remaining: count,
-                    kind,
-                });
-        }
-    }
-
-    fn take(&self, op: Op) -> Option<FaultKind> {
-        let mut faults = self.faults.lock().unwrap_or_else(PoisonError::into_inner);
-        let i = faults
-            .iter()
-            .position(|f| f.remaining > 0 && f.op.is_none_or(|o| o == op))?;
-        faults[i].remaining -= 1;
-        let kind = faults[i].kind;
-        if faults[i].remaining == 0 {
-            faults.remove(i);
-        }
-        Some(kind)
-    }
-
-    fn run<R>(&self, op: Op, f: impl FnOnce(&S) -> Result<R, StoreError>) -> Result<R, StoreError> {
-        match self.take(op) {
-            None => f(&self.inner),
-            Some(FaultKind::Unavailable) => Err(StoreError::Unavailable(format!(
-                "injected fault: {op:?} unavailable"
-            ))),
-            Some(FaultKind::Internal) => Err(StoreError::Internal(format!(
-                "injected fault: {op:?} internal error"
-            ))),
-            Some(FaultKind::LostAck) => {
-                f(&self.inner)?;
-                Err(StoreError::Unavailable(format!(
-                    "injected fault: {op:?} acknowledgement lost"
-                )))
-            }
-        }
-    }
-}
-
-impl<S: Storage + Clone> Storage for Faulty<S> {
-    fn insert_if_absent(
-        &self,
-        candidate: &StoredRecord,
-    ) -> Result<idem::InsertOutcome, StoreError> {
-        self.run(Op::InsertIfAbsent, |s| s.insert_if_absent(candidate))
-    }
-    fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
-        self.run(Op::Get, |s| s.get(key))
-    }
-    fn compare_and_swap(
-        &self,
-        expected_revision: u64,
-        replacement: &StoredRecord,
-    ) -> Result<SwapOutcome, StoreError> {
-        self.run(Op::CompareAndSwap, |s| {
-            s.compare_and_swap(expected_revision, replacement)
-        })
-    }
-    fn delete_expired(&self, now: u64, limit: u32) -> Result<u32, StoreError> {
-        self.run(Op::DeleteExpired, |s| s.delete_expired(now, limit))
-    }
-    fn list_stale(
-        &self,
-        biz_type: &str,
-        now: u64,
-        limit: u32,
-    ) -> Result<Vec<StoredRecord>, StoreError> {
-        self.run(Op::ListStale, |s| s.list_stale(biz_type, now, limit))
-    }
-    fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
-        self.run(Op::CountByStatus, |s| s.count_by_status())
+        self.store.inner()
     }
 }
 
@@ -1108,6 +1007,6 @@ fn faulty_wrapper_follows_the_mock() -> Result<()> {
         assert_eq!(m.is_ok(), f.is_ok(), "{k}: {m:?} / {f:?}");
     }
     assert_eq!(mem.len(), 2);
-    assert_eq!(faulty.inner.len(), 2);
+    assert_eq!(faulty.inner().len(), 2);
     Ok(())
 }

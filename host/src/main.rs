@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use idem::proxy::{Proxy, ProxyConfig, serve};
+use idem::proxy::{Proxy, ProxyConfig, serve, serve_with};
 use idem::{Engine, KeyStatus, ReconcileReport, RecordKey, SqliteStore, Status, Storage};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
@@ -296,7 +296,13 @@ async fn serve_until_signal(proxy: Proxy, listen: &str, admin: Option<&str>) -> 
         let router = proxy.admin_router();
         tokio::spawn(serve(l, router, stopped(stop_rx.clone())))
     });
-    let result = serve(listener, proxy.router(), stopped(stop_rx)).await;
+    let result = serve_with(
+        listener,
+        proxy.router(),
+        proxy.serve_options(),
+        stopped(stop_rx),
+    )
+    .await;
     // Requests whose client hung up are still running: let them store
     // their outcome before the process exits.
     proxy.finish().await;

@@ -252,11 +252,10 @@ impl Env for Fake {
         let Some(current) = records.get_mut(&k3(&replacement.key)) else {
             return Ok(SwapOutcome::Stale(None));
         };
-        if current.revision != expected_revision {
+        if current.id != replacement.id || current.revision != expected_revision {
             return Ok(SwapOutcome::Stale(Some(current.clone())));
         }
-        let mut next = replacement.clone();
-        next.id = current.id;
+        let next = replacement.clone();
         self.swaps
             .borrow_mut()
             .push((current.clone(), next.clone()));
@@ -2300,6 +2299,36 @@ fn begin_claims_a_key_deleted_under_it() {
     assert_ne!(t2.record_id, t1.record_id);
     assert_eq!((t2.fencing_token, t2.attempt), (1, 1));
     assert_eq!(env.record(&k).expect("stored").fingerprint, fp(2));
+}
+
+/// An owner reads its record (revision 1); before its swap lands, the key
+/// is swept and claimed again by a new owner, whose record starts over at
+/// revision 1 with fencing token 1. The old owner's swap expects revision 1
+/// and must not land on the new generation: the store matches the id too.
+#[test]
+fn a_stale_owner_never_writes_over_a_recreated_key() {
+    let env = Fake::new();
+    let p = policy();
+    let k = key("a");
+    let t1 = start(&env, &k, &p);
+    let hook_policy = p.clone();
+    let mut once = true;
+    env.before_cas(move |env, _| {
+        if once {
+            once = false;
+            env.remove(&k);
+            let t2 = start(env, &k, &hook_policy);
+            assert_eq!((t2.fencing_token, t2.attempt), (1, 1));
+        }
+    });
+    assert_eq!(
+        complete(&env, &t1, &p, &success("order-1")),
+        Ok(Completion::LostOwnership)
+    );
+    let rec = env.record(&key("a")).expect("the new generation");
+    assert_ne!(rec.id, t1.record_id);
+    assert_eq!((rec.status, rec.revision), (Status::Processing, 1));
+    assert_eq!(rec.result_ref, None);
 }
 
 #[test]

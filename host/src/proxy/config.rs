@@ -21,6 +21,17 @@ pub const DEFAULT_BIZ_TYPE: &str = "http";
 /// Default `poll_ms` of a bounded in-progress wait.
 pub const DEFAULT_POLL_MS: u64 = 50;
 
+/// Default `header_read_timeout_ms`: 10 seconds. A client sends its whole
+/// request head in well under a second even on a slow mobile link, so 10 s
+/// leaves a wide margin, while a client that trickles headers (slowloris)
+/// holds a connection for at most that long.
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+
+/// Default `body_read_timeout_ms`: 30 seconds, time enough to upload the
+/// default 1 MiB body limit at about 35 KB/s, and short enough that a body
+/// that stops before its Content-Length does not hold a connection for long.
+pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+
 /// Why a configuration could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -366,6 +377,17 @@ pub struct ProxyConfig {
     /// request, in bytes; a larger body is refused with 413 and never
     /// buffered whole. Default 1 048 576 (1 MiB).
     pub max_body_bytes: u32,
+    /// `header_read_timeout_ms`: how long a client may take to send a
+    /// request head, from its first byte (or from connecting) to the blank
+    /// line that ends it, in milliseconds. A slower head is answered 408
+    /// and the connection closed. Default
+    /// [`DEFAULT_HEADER_READ_TIMEOUT_MS`].
+    pub header_read_timeout_ms: u64,
+    /// `body_read_timeout_ms`: how long a keyed request's body may take to
+    /// arrive, in milliseconds. A slower body (for example one that stops
+    /// before its Content-Length) is answered 408; nothing is stored.
+    /// Default [`DEFAULT_BODY_READ_TIMEOUT_MS`].
+    pub body_read_timeout_ms: u64,
     /// `[defaults]`: the policy of every route and of unmatched requests.
     pub defaults: PolicyConfig,
     /// `[[routes]]`: the first route matching a request's method and path
@@ -382,6 +404,8 @@ impl Default for ProxyConfig {
             sweep_batch: 1_000,
             scope_header: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
+            body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
             defaults: PolicyConfig::default(),
             routes: Vec::new(),
         }
@@ -441,6 +465,18 @@ impl ProxyConfig {
         }
         if self.sweep_batch == 0 {
             return Err(ConfigError::invalid("sweep_batch", "must be at least 1"));
+        }
+        if self.header_read_timeout_ms == 0 {
+            return Err(ConfigError::invalid(
+                "header_read_timeout_ms",
+                "must be at least 1",
+            ));
+        }
+        if self.body_read_timeout_ms == 0 {
+            return Err(ConfigError::invalid(
+                "body_read_timeout_ms",
+                "must be at least 1",
+            ));
         }
         let scope_header = match &self.scope_header {
             None => None,
@@ -843,6 +879,10 @@ mod tests {
         assert!(m.contains("upstream_timeout_ms"), "{m}");
         let m = parse_err("sweep_batch = 0");
         assert!(m.contains("sweep_batch"), "{m}");
+        let m = parse_err("header_read_timeout_ms = 0");
+        assert!(m.contains("header_read_timeout_ms"), "{m}");
+        let m = parse_err("body_read_timeout_ms = 0");
+        assert!(m.contains("body_read_timeout_ms"), "{m}");
         let m = parse_err("scope_header = \"bad header\"");
         assert!(m.contains("scope_header"), "{m}");
         let m = parse_err("[defaults]\nlease_ms = 0");

@@ -24,9 +24,11 @@
 pub mod admin;
 pub mod config;
 pub mod forward;
+mod framing;
 pub mod key;
 pub mod metrics;
 pub mod problem;
+pub mod server;
 
 #[cfg(test)]
 mod service_tests;
@@ -52,6 +54,7 @@ pub use forward::{UpstreamError, Verdict, classify_status};
 pub use key::{IDEMPOTENCY_KEY, KeyHeaderError, ScopeError, derive_scope, parse_idempotency_key};
 pub use metrics::Metrics;
 pub use problem::{Problem, ProblemType};
+pub use server::{ServeOptions, serve_with};
 
 use crate::api::{BeginRequest, BodyKind, Completion, Decision, Disposition, Extension};
 use crate::api::{InputField, InputRule, InvalidInput, Policy, Ticket};
@@ -213,6 +216,14 @@ impl Proxy {
         &self.inner.config
     }
 
+    /// How [`serve_with`] should treat the proxy's clients, from the
+    /// configuration.
+    pub fn serve_options(&self) -> ServeOptions {
+        ServeOptions {
+            header_read_timeout: Duration::from_millis(self.inner.config.header_read_timeout_ms),
+        }
+    }
+
     /// Deletes expired keys in batches of `sweep_batch` until a batch
     /// deletes fewer; returns how many were deleted.
     ///
@@ -254,7 +265,9 @@ impl Proxy {
 }
 
 /// Serves `router` on `listener` until `shutdown` completes; then stops
-/// accepting and waits for the requests in flight to finish.
+/// accepting and waits for the requests in flight to finish. Uses the
+/// default [`ServeOptions`]; [`serve_with`] takes others (for the proxy:
+/// [`Proxy::serve_options`]).
 ///
 /// # Errors
 ///
@@ -264,10 +277,7 @@ pub async fn serve(
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ProxyError> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ProxyError::Io)
+    serve_with(listener, router, ServeOptions::default(), shutdown).await
 }
 
 /// The body kind for the fingerprint: JSON for `application/json` and
@@ -525,7 +535,25 @@ impl Inner {
             // connection is closed after the answer).
             return self.refuse(too_large());
         }
-        let bytes = match Limited::new(&mut body, limit_usize).collect().await {
+        let body_timeout = Duration::from_millis(self.config.body_read_timeout_ms);
+        let read =
+            tokio::time::timeout(body_timeout, Limited::new(&mut body, limit_usize).collect());
+        let Ok(read) = read.await else {
+            // A body that stops before its Content-Length (or trickles):
+            // nothing was asked of the engine, nothing is stored.
+            let mut response = self.refuse(Problem::new(
+                ProblemType::RequestTimeout,
+                format!(
+                    "The request body did not arrive within {} ms. Send it again, whole, with the same Idempotency-Key.",
+                    body_timeout.as_millis()
+                ),
+            ));
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+            return response;
+        };
+        let bytes = match read {
             Ok(collected) => collected.to_bytes(),
             Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
                 // Read the rest without keeping it, so that a client that

@@ -31,6 +31,8 @@ pub enum ProblemType {
     OutcomeUnknown,
     /// 413: the request body is over the limit.
     BodyTooLarge,
+    /// 408: the request head or body did not arrive in time.
+    RequestTimeout,
     /// 400: other invalid input (scope, body not JSON, …).
     InvalidRequest,
     /// 502: the upstream could not be reached; nothing was sent.
@@ -57,6 +59,7 @@ impl ProblemType {
             ProblemType::RequestInProgress => "request-in-progress",
             ProblemType::OutcomeUnknown => "outcome-unknown",
             ProblemType::BodyTooLarge => "body-too-large",
+            ProblemType::RequestTimeout => "request-timeout",
             ProblemType::InvalidRequest => "invalid-request",
             ProblemType::UpstreamUnavailable => "upstream-unavailable",
             ProblemType::UpstreamTimeout => "upstream-timeout",
@@ -81,6 +84,7 @@ impl ProblemType {
             ProblemType::RequestInProgress => "A request is outstanding for this Idempotency-Key",
             ProblemType::OutcomeUnknown => "The outcome of the request is unknown",
             ProblemType::BodyTooLarge => "Request body is too large",
+            ProblemType::RequestTimeout => "The request did not arrive in time",
             ProblemType::InvalidRequest => "Request is invalid",
             ProblemType::UpstreamUnavailable => "Upstream is unavailable",
             ProblemType::UpstreamTimeout => "Upstream timed out",
@@ -100,6 +104,7 @@ impl ProblemType {
             ProblemType::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemType::RequestInProgress | ProblemType::OutcomeUnknown => StatusCode::CONFLICT,
             ProblemType::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProblemType::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ProblemType::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemType::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ProblemType::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,

@@ -251,10 +251,10 @@ impl Storage for MemoryStore {
         check_fits(replacement)?;
         self.run(Op::CompareAndSwap, |state| {
             match state.records.get_mut(&replacement.key) {
-                Some(current) if current.revision == expected_revision => {
-                    let id = current.id;
+                Some(current)
+                    if current.id == replacement.id && current.revision == expected_revision =>
+                {
                     *current = replacement.clone();
-                    current.id = id;
                     Ok(SwapOutcome::Swapped)
                 }
                 Some(current) => Ok(SwapOutcome::Stale(Some(current.clone()))),

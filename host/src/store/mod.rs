@@ -53,9 +53,12 @@ pub trait Storage: Send + Sync + 'static {
     /// Reads the record with `key`.
     fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError>;
 
-    /// Replaces the record with `replacement.key` by `replacement` (every
-    /// field except `id`) only if its stored revision is `expected_revision`.
-    /// On a mismatch writes nothing and returns the current record.
+    /// Replaces the record with `replacement.key` by `replacement` only if
+    /// the stored record is the one the caller read: its id is
+    /// `replacement.id` and its revision is `expected_revision`. A record
+    /// deleted and created again has a new id, so a writer holding the old
+    /// one never overwrites it. On a mismatch writes nothing and returns the
+    /// current record.
     fn compare_and_swap(
         &self,
         expected_revision: u64,

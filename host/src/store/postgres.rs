@@ -14,7 +14,9 @@
 //!   conflicting insert waits for the other inserter to commit, so the
 //!   `SELECT` that follows sees its row. If that row was deleted in between
 //!   (by a sweeper), the insert is tried again.
-//! - compare-and-swap is `UPDATE … WHERE revision = $expected`; a concurrent
+//! - compare-and-swap is `UPDATE … WHERE id = $id AND revision = $expected`
+//!   (the id tells a re-created record, back at revision 1, from the one the
+//!   writer read; identity values are never reused); a concurrent
 //!   update makes PostgreSQL re-check the condition on the newest row
 //!   version, so of two swaps expecting one revision only one matches.
 //! - delete-expired locks its candidates (`FOR UPDATE SKIP LOCKED`, so two
@@ -328,7 +330,8 @@ impl Sql {
                     fencing_token = $7, revision = $8, attempts = $9, lease_until = $10,
                     created_at = $11, updated_at = $12, expires_at = $13, result_ref = $14,
                     response = $15, failure = $16
-                WHERE scope_key = $1 AND biz_type = $2 AND idem_key = $3 AND revision = $17"
+                WHERE scope_key = $1 AND biz_type = $2 AND idem_key = $3 AND revision = $17
+                    AND id = $18"
             ),
             // The candidates are chosen and locked once, in a CTE (a
             // subquery could be run again for each row and pick more rows
@@ -575,11 +578,15 @@ impl Storage for PostgresStore {
     ) -> Result<SwapOutcome, StoreError> {
         let row = EncodedRecord::new(replacement)?;
         self.with(|c| {
-            // A revision the column cannot hold is not stored: nothing
-            // matches it.
-            if let Ok(expected) = i64::try_from(expected_revision) {
+            // A revision or id the column cannot hold is not stored:
+            // nothing matches it.
+            if let (Ok(expected), Ok(id)) = (
+                i64::try_from(expected_revision),
+                i64::try_from(replacement.id),
+            ) {
                 let mut params = row.params();
                 params.push(&expected);
+                params.push(&id);
                 let changed = c
                     .client
                     .execute(&c.prepared.swap, &params)

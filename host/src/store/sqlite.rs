@@ -108,12 +108,14 @@ const SQL_GET: &str = concat!(
 );
 
 // The key columns are not written: the WHERE clause already pins them to the
-// replacement's values.
+// replacement's values. The id is matched too: a record deleted and created
+// again starts over at revision 1, and only its new id (AUTOINCREMENT never
+// reuses one) tells it from the record a stale writer read.
 const SQL_SWAP: &str = "UPDATE idempotency_record SET
         request_hash = ?4, fingerprint_version = ?5, status = ?6, fencing_token = ?7,
         revision = ?8, attempts = ?9, lease_until = ?10, created_at = ?11, updated_at = ?12,
         expires_at = ?13, result_ref = ?14, response = ?15, failure = ?16
-    WHERE scope_key = ?1 AND biz_type = ?2 AND idem_key = ?3 AND revision = ?17";
+    WHERE scope_key = ?1 AND biz_type = ?2 AND idem_key = ?3 AND revision = ?17 AND id = ?18";
 
 pub(super) const SQL_DELETE_EXPIRED: &str = "DELETE FROM idempotency_record WHERE id IN (
         SELECT id FROM idempotency_record
@@ -750,10 +752,14 @@ fn compare_and_swap(
     replacement: &StoredRecord,
 ) -> Result<SwapOutcome, StoreError> {
     let row = EncodedRecord::new(replacement)?;
-    // A revision SQLite cannot store is not stored: nothing matches it.
-    if let Ok(expected) = i64::try_from(expected_revision) {
+    // A revision or id SQLite cannot store is not stored: nothing matches it.
+    if let (Ok(expected), Ok(id)) = (
+        i64::try_from(expected_revision),
+        i64::try_from(replacement.id),
+    ) {
         let mut params = row.params();
         params.push(&expected);
+        params.push(&id);
         let mut stmt = conn.prepare_cached(SQL_SWAP).map_err(map_err)?;
         let changed = stmt.execute(params.as_slice()).map_err(map_err)?;
         if changed > 0 {

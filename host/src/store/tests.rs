@@ -202,17 +202,79 @@ fn same_idem_key_in_other_scope_is_independent(s: &dyn Storage) {
     assert!(a.id != b.id && b.id != c.id && a.id != c.id);
 }
 
-fn cas_success_writes_every_field_but_id(s: &dyn Storage) {
+fn cas_success_writes_every_field(s: &dyn Storage) {
     let r = insert(s, &candidate(key("k")));
     let mut next = rich_record(key("k"));
-    next.id = r.id + 100; // must be ignored
+    next.id = r.id;
     next.revision = r.revision + 1;
     assert_eq!(
         s.compare_and_swap(r.revision, &next).unwrap(),
         SwapOutcome::Swapped
     );
     let stored = s.get(&key("k")).unwrap().unwrap();
-    assert_eq!(stored, StoredRecord { id: r.id, ..next });
+    assert_eq!(stored, next);
+}
+
+fn cas_with_another_id_is_stale(s: &dyn Storage) {
+    let r = insert(s, &candidate(key("k")));
+    let mut next = r.clone();
+    next.revision = 2;
+    next.status = Status::Succeeded;
+    for id in [r.id + 1, r.id - 1, u64::MAX] {
+        next.id = id;
+        assert_eq!(
+            s.compare_and_swap(r.revision, &next).unwrap(),
+            SwapOutcome::Stale(Some(r.clone())),
+            "id {id}"
+        );
+    }
+    assert_eq!(s.get(&key("k")).unwrap(), Some(r));
+}
+
+/// The regression: an owner reads its record (id A, revision 1); the key is
+/// settled, swept and claimed again by a new owner (id B, revision 1 again).
+/// The old owner's swap expects revision 1 and must not land on the new
+/// generation.
+fn cas_never_overwrites_a_recreated_record(s: &dyn Storage) {
+    let first = insert(s, &candidate(key("k")));
+    let stale_owner_view = first.clone();
+    let settled = settle(s, &first, Status::Succeeded, T0);
+    assert_eq!(s.delete_expired(T0, 10).unwrap(), 1);
+    let second = insert(s, &candidate(key("k")));
+    assert_ne!(second.id, first.id);
+    assert_eq!(
+        second.revision, stale_owner_view.revision,
+        "the trap is set"
+    );
+
+    let mut late = stale_owner_view.clone();
+    late.revision += 1;
+    late.status = Status::Succeeded;
+    late.lease_until = None;
+    late.expires_at = Some(T0 + 1);
+    late.result_ref = Some("stale-owner".to_owned());
+    assert_eq!(
+        s.compare_and_swap(stale_owner_view.revision, &late)
+            .unwrap(),
+        SwapOutcome::Stale(Some(second.clone()))
+    );
+    assert_eq!(s.get(&key("k")).unwrap(), Some(second.clone()));
+    // The same with the revision the old record reached before the sweep.
+    let mut late = settled.clone();
+    late.revision += 1;
+    assert_eq!(
+        s.compare_and_swap(settled.revision, &late).unwrap(),
+        SwapOutcome::Stale(Some(second.clone()))
+    );
+    // The new owner's own swap still lands.
+    let mut next = second.clone();
+    next.revision += 1;
+    next.lease_until = Some(T0 + 60_000);
+    assert_eq!(
+        s.compare_and_swap(second.revision, &next).unwrap(),
+        SwapOutcome::Swapped
+    );
+    assert_eq!(s.get(&key("k")).unwrap(), Some(next));
 }
 
 fn cas_stale_returns_current_record(s: &dyn Storage) {
@@ -455,6 +517,7 @@ fn round_trip_every_field(s: &dyn Storage) {
 
     // And back to empty optional fields.
     let mut plain = candidate(rich.key.clone());
+    plain.id = inserted.id;
     plain.revision = inserted.revision + 1;
     plain.response = Some(StoredResponse::default());
     plain.failure = Some(Failure::default());
@@ -463,13 +526,7 @@ fn round_trip_every_field(s: &dyn Storage) {
         s.compare_and_swap(inserted.revision, &plain).unwrap(),
         SwapOutcome::Swapped
     );
-    assert_eq!(
-        s.get(&rich.key).unwrap(),
-        Some(StoredRecord {
-            id: inserted.id,
-            ..plain.clone()
-        })
-    );
+    assert_eq!(s.get(&rich.key).unwrap(), Some(plain.clone()));
     plain.response = None;
     plain.failure = None;
     plain.result_ref = None;
@@ -478,13 +535,7 @@ fn round_trip_every_field(s: &dyn Storage) {
         s.compare_and_swap(plain.revision - 1, &plain).unwrap(),
         SwapOutcome::Swapped
     );
-    assert_eq!(
-        s.get(&rich.key).unwrap(),
-        Some(StoredRecord {
-            id: inserted.id,
-            ..plain
-        })
-    );
+    assert_eq!(s.get(&rich.key).unwrap(), Some(plain));
 }
 
 fn count_by_status_counts_every_status(s: &dyn Storage) {
@@ -567,7 +618,9 @@ conformance!(
     ids_are_assigned_and_never_reused,
     get_none_and_some,
     same_idem_key_in_other_scope_is_independent,
-    cas_success_writes_every_field_but_id,
+    cas_success_writes_every_field,
+    cas_with_another_id_is_stale,
+    cas_never_overwrites_a_recreated_record,
     cas_stale_returns_current_record,
     cas_expected_revision_beyond_i64_is_stale,
     cas_after_delete_returns_stale_none,

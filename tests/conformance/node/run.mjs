@@ -108,8 +108,11 @@ class MockStore {
         return this.run("compare-and-swap", () => {
           const current = this.records.get(keyId(replacement.key));
           if (!current) return { tag: "stale", val: undefined };
-          if (current.revision !== expectedRevision) return { tag: "stale", val: copy(current) };
-          this.records.set(keyId(replacement.key), { ...copy(replacement), id: current.id });
+          // The id as well as the revision: a re-created record starts over at revision 1.
+          if (current.id !== replacement.id || current.revision !== expectedRevision) {
+            return { tag: "stale", val: copy(current) };
+          }
+          this.records.set(keyId(replacement.key), copy(replacement));
           return { tag: "swapped" };
         });
       },

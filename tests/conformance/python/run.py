@@ -150,11 +150,10 @@ class MockStore:
             current = self.records.get(k)
             if current is None:
                 return Variant("stale", None)
-            if current.revision != expected_revision:
+            # The id as well as the revision: a re-created record starts over at revision 1.
+            if current.id != replacement.id or current.revision != expected_revision:
                 return Variant("stale", copy_record(current))
-            rec = copy_record(replacement)
-            rec.id = current.id
-            self.records[k] = rec
+            self.records[k] = copy_record(replacement)
             return Variant("swapped")
 
         return self.run("compare-and-swap", op)
