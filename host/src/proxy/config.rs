@@ -21,6 +21,11 @@ pub const DEFAULT_BIZ_TYPE: &str = "http";
 /// Default `poll_ms` of a bounded in-progress wait.
 pub const DEFAULT_POLL_MS: u64 = 50;
 
+/// The smallest `guest_memory_bytes` accepted: the engine component starts
+/// with about 1.1 MiB (its 1 MiB stack and its data), so a lower limit
+/// would leave no room to canonicalize even a small body.
+pub const MIN_GUEST_MEMORY_BYTES: u64 = 4 * 1024 * 1024;
+
 /// Why a configuration could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -366,6 +371,17 @@ pub struct ProxyConfig {
     /// request, in bytes; a larger body is refused with 413 and never
     /// buffered whole. Default 1 048 576 (1 MiB).
     pub max_body_bytes: u32,
+    /// `guest_deadline_ms`: the longest one call into the engine component
+    /// may compute, in milliseconds; time in the store, the clock and the
+    /// result lookup does not count. A call past it fails (500) and its
+    /// instance is discarded. Default 1 000
+    /// ([`crate::engine::DEFAULT_GUEST_DEADLINE`]).
+    pub guest_deadline_ms: u64,
+    /// `guest_memory_bytes`: the most linear memory one instance of the
+    /// engine component may use, in bytes, at least 4 MiB. A call that
+    /// needs more fails (500) and its instance is discarded. Default
+    /// 268 435 456 (256 MiB, [`crate::engine::DEFAULT_MEMORY_LIMIT`]).
+    pub guest_memory_bytes: u64,
     /// `[defaults]`: the policy of every route and of unmatched requests.
     pub defaults: PolicyConfig,
     /// `[[routes]]`: the first route matching a request's method and path
@@ -382,6 +398,9 @@ impl Default for ProxyConfig {
             sweep_batch: 1_000,
             scope_header: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            guest_deadline_ms: u64::try_from(crate::engine::DEFAULT_GUEST_DEADLINE.as_millis())
+                .unwrap_or(u64::MAX),
+            guest_memory_bytes: crate::engine::DEFAULT_MEMORY_LIMIT as u64,
             defaults: PolicyConfig::default(),
             routes: Vec::new(),
         }
@@ -441,6 +460,22 @@ impl ProxyConfig {
         }
         if self.sweep_batch == 0 {
             return Err(ConfigError::invalid("sweep_batch", "must be at least 1"));
+        }
+        if self.guest_deadline_ms == 0 {
+            return Err(ConfigError::invalid(
+                "guest_deadline_ms",
+                "must be at least 1",
+            ));
+        }
+        if self.guest_memory_bytes < MIN_GUEST_MEMORY_BYTES
+            || usize::try_from(self.guest_memory_bytes).is_err()
+        {
+            return Err(ConfigError::invalid(
+                "guest_memory_bytes",
+                format!(
+                    "must be at least {MIN_GUEST_MEMORY_BYTES} (4 MiB) and fit this machine's address space"
+                ),
+            ));
         }
         let scope_header = match &self.scope_header {
             None => None,
@@ -876,6 +911,17 @@ mod tests {
             m.contains("routes[0].biz_type") && m.contains("[defaults]"),
             "{m}"
         );
+    }
+
+    #[test]
+    fn guest_limits_are_read_and_checked() {
+        let c = ProxyConfig::from_toml_str("guest_deadline_ms = 250\nguest_memory_bytes = 8388608")
+            .unwrap();
+        assert_eq!((c.guest_deadline_ms, c.guest_memory_bytes), (250, 8 << 20));
+        let m = parse_err("guest_deadline_ms = 0");
+        assert!(m.contains("guest_deadline_ms") && m.contains("at least 1"), "{m}");
+        let m = parse_err("guest_memory_bytes = 65536");
+        assert!(m.contains("guest_memory_bytes") && m.contains("4 MiB"), "{m}");
     }
 
     #[test]
