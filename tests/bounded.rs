@@ -312,7 +312,8 @@ fn a_component_with_a_mismatched_export_is_refused_naming_it() -> Result<()> {
         r#"(component
              (core module $m (func (export "begin")))
              (core instance $i (instantiate $m))
-             (func $begin (canon lift (core func $i "begin")))
+             (type $nothing (func))
+             (func $begin (type $nothing) (canon lift (core func $i "begin")))
              (instance $engine (export "begin" (func $begin)))
              (export "idem:engine/engine@0.1.0" (instance $engine)))"#,
     )?;
