@@ -20,7 +20,10 @@ pub fn build_component(root: &Path, package: &str, file_stem: &str, watch: &[&st
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
     let target_dir = out_dir.join("guest-target");
 
-    for path in watch.iter().chain(["wit", "Cargo.toml", "Cargo.lock"].iter()) {
+    for path in watch
+        .iter()
+        .chain(["wit", "Cargo.toml", "Cargo.lock"].iter())
+    {
         println!("cargo:rerun-if-changed={}", root.join(path).display());
     }
 
@@ -50,7 +53,10 @@ pub fn build_component(root: &Path, package: &str, file_stem: &str, watch: &[&st
     assert!(status.success(), "building the {package} component failed");
 
     let file = format!("{file_stem}.wasm");
-    let built = target_dir.join(GUEST_TARGET).join(GUEST_PROFILE).join(&file);
+    let built = target_dir
+        .join(GUEST_TARGET)
+        .join(GUEST_PROFILE)
+        .join(&file);
     let dest = out_dir.join(&file);
     std::fs::copy(&built, &dest)
         .unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", built.display(), dest.display()));

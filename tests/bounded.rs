@@ -15,8 +15,7 @@ use idem::{
 };
 
 /// The misbehaving guest; its biz types choose how it misbehaves.
-const MISBEHAVING: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/idem_misbehaving_guest.wasm"));
+const MISBEHAVING: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/idem_misbehaving_guest.wasm"));
 
 // The biz types of `tests/guests/misbehaving/src/lib.rs`.
 const LOOP: &str = "misbehave-loop";
@@ -89,7 +88,10 @@ fn a_guest_that_loops_is_stopped_at_its_deadline() -> Result<()> {
         Err(other) => bail!("expected a missed deadline, got {other}"),
         Ok(d) => bail!("a looping guest answered {}", d.name()),
     }
-    ensure!(took >= DEADLINE, "stopped after {took:?}, before its deadline");
+    ensure!(
+        took >= DEADLINE,
+        "stopped after {took:?}, before its deadline"
+    );
     ensure!(took < DEADLINE + LATENESS, "stopped only after {took:?}");
     // The instance was discarded: the next call gets a fresh one.
     ensure!(calls_served(&engine)? == 1);
@@ -324,4 +326,3 @@ fn a_component_with_an_incomplete_export_is_refused_naming_it() -> Result<()> {
     ensure!(message.contains("idem:engine/engine@0.1.0"), "{message}");
     Ok(())
 }
-

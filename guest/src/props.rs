@@ -8,19 +8,17 @@
 //!
 //! Not part of the engine: compiled only for tests and fuzzing.
 
+use alloc::collections::BTreeMap;
 use alloc::string::String;
 use alloc::vec::Vec;
 use core::cell::{Cell, RefCell};
-use alloc::collections::BTreeMap;
 
 use crate::bindings::exports::idem::engine::engine::{
     BeginRequest, BodyKind, Completion, Decision, ExpiredLease, FailureMode, InProgressMode,
     KeyCharset, KeyFormat, Policy, WaitSpec,
 };
 use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
-use crate::bindings::idem::engine::types::{
-    RecordKey, Status, StoredRecord, Success, Timestamp,
-};
+use crate::bindings::idem::engine::types::{RecordKey, Status, StoredRecord, Success, Timestamp};
 use crate::canonical::{canonicalize, select};
 use crate::fingerprint::fingerprint;
 use crate::machine::{self, Env};
@@ -41,7 +39,10 @@ use crate::machine::{self, Env};
 pub fn check_canonical(bytes: &[u8], seed: u8) {
     let selected = select(bytes, &[String::from("/a"), String::from("/0")]);
     let Ok(canon) = canonicalize(bytes) else {
-        assert!(selected.is_err(), "select accepted what canonicalize refused");
+        assert!(
+            selected.is_err(),
+            "select accepted what canonicalize refused"
+        );
         return;
     };
     let value: serde_json::Value = serde_json::from_slice(bytes)
@@ -207,7 +208,12 @@ pub fn begin_request(bytes: &[u8]) -> BeginRequest {
     let key = RecordKey {
         scope: r.text(&["tenant-1", "auth:0f", "hdr:a\"b%_'--", "anonymous"]),
         biz_type: r.text(&["order", "pay.v2", "coupon:claim", "a_b-c"]),
-        idem_key: r.text(&["k-1", "8e03978e-40d5-43e8-bc93-6894a57f9324", "%_\"'; DROP", "x"]),
+        idem_key: r.text(&[
+            "k-1",
+            "8e03978e-40d5-43e8-bc93-6894a57f9324",
+            "%_\"'; DROP",
+            "x",
+        ]),
     };
     let attributes = (0..r.byte() % 3)
         .map(|_| (r.text(&["method", "path"]), r.text(&["POST", "/orders"])))
@@ -348,7 +354,10 @@ pub fn check_begin(req: &BeginRequest) {
         let rec = records
             .get(&key3(&req.key))
             .expect("execute without a record");
-        assert_eq!(rec.key, req.key, "the stored key differs from the request's");
+        assert_eq!(
+            rec.key, req.key,
+            "the stored key differs from the request's"
+        );
         assert_eq!(rec.status, Status::Processing);
         assert_eq!(rec.fencing_token, 1);
     }
@@ -374,7 +383,11 @@ pub fn check_begin(req: &BeginRequest) {
     let completion = machine::complete(&env, &ticket, &req.policy, &success)
         .unwrap_or_else(|e| panic!("complete failed: {e:?}"));
     if taken_over {
-        assert_eq!(completion, Completion::LostOwnership, "a stale owner completed");
+        assert_eq!(
+            completion,
+            Completion::LostOwnership,
+            "a stale owner completed"
+        );
         return;
     }
     assert_eq!(completion, Completion::Recorded);
@@ -432,7 +445,8 @@ mod tests {
 
     #[test]
     fn respelling_permutes_members() {
-        let value: serde_json::Value = serde_json::from_str(r#"{"a":1,"b":[true,{"c":null,"d":"e"}]}"#).unwrap();
+        let value: serde_json::Value =
+            serde_json::from_str(r#"{"a":1,"b":[true,{"c":null,"d":"e"}]}"#).unwrap();
         let mut out = Vec::new();
         respell(&value, 1, &mut out);
         let text = String::from_utf8(out).unwrap();

@@ -621,7 +621,8 @@ impl Engine {
         }
         inst.store.data_mut().budget.started = Instant::now();
         inst.store.data_mut().budget.in_host = Duration::ZERO;
-        inst.store.set_epoch_deadline(ticks(self.shared.guest_deadline));
+        inst.store
+            .set_epoch_deadline(ticks(self.shared.guest_deadline));
         let outcome = f(inst.idem.idem_engine_engine(), &mut inst.store);
         inst.store.data_mut().storage = self.shared.storage.clone();
         match outcome {

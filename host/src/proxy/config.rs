@@ -919,9 +919,15 @@ mod tests {
             .unwrap();
         assert_eq!((c.guest_deadline_ms, c.guest_memory_bytes), (250, 8 << 20));
         let m = parse_err("guest_deadline_ms = 0");
-        assert!(m.contains("guest_deadline_ms") && m.contains("at least 1"), "{m}");
+        assert!(
+            m.contains("guest_deadline_ms") && m.contains("at least 1"),
+            "{m}"
+        );
         let m = parse_err("guest_memory_bytes = 65536");
-        assert!(m.contains("guest_memory_bytes") && m.contains("4 MiB"), "{m}");
+        assert!(
+            m.contains("guest_memory_bytes") && m.contains("4 MiB"),
+            "{m}"
+        );
     }
 
     #[test]

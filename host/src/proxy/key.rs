@@ -144,7 +144,10 @@ pub(crate) fn check_key_header(bytes: &[u8]) {
     }
     let trimmed = text.unwrap_or_default().trim_matches([' ', '\t']);
     if let Ok(key) = &parsed {
-        assert!(!key.chars().any(char::is_control), "a control character in {key:?}");
+        assert!(
+            !key.chars().any(char::is_control),
+            "a control character in {key:?}"
+        );
         if !trimmed.starts_with('"') {
             assert_eq!(key, trimmed, "a bare value was changed");
         }
@@ -157,7 +160,11 @@ pub(crate) fn check_key_header(bytes: &[u8]) {
     if let Some(key) = text.filter(|t| t.bytes().all(|b| (0x20..0x7f).contains(&b))) {
         let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
         let value = HeaderValue::from_str(&quoted).expect("printable ASCII is a header value");
-        assert_eq!(parse_idempotency_key(&value).as_deref(), Ok(key), "{quoted}");
+        assert_eq!(
+            parse_idempotency_key(&value).as_deref(),
+            Ok(key),
+            "{quoted}"
+        );
         if !trimmed.starts_with('"') && trimmed == key {
             assert_eq!(parsed.as_deref(), Ok(key));
         }

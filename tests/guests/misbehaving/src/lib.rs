@@ -15,6 +15,8 @@
 //! - [`SLOW_HOST`]: spend [`SLOW_HOST_PAUSES`] × [`SLOW_HOST_PAUSE_MS`] in
 //!   the host's `clock.pause`, then answer like [`COUNT`].
 #![cfg_attr(target_arch = "wasm32", no_std)]
+// Natively the crate is compiled (and linted) but exports nothing.
+#![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
 #![warn(missing_docs)]
 
 extern crate alloc;
@@ -60,7 +62,6 @@ fn served() -> Decision {
 }
 
 /// The exported engine interface.
-#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
 struct Misbehaving;
 
 impl Guest for Misbehaving {
@@ -82,7 +83,10 @@ impl Guest for Misbehaving {
             TRAP => panic!("asked to trap"),
             TRAP_AFTER_CLAIM => {
                 let decision = machine::begin(&Imports, &request)?;
-                panic!("asked to trap after deciding {}", matches!(decision, Decision::Execute(_)));
+                panic!(
+                    "asked to trap after deciding {}",
+                    matches!(decision, Decision::Execute(_))
+                );
             }
             COUNT => Ok(served()),
             SLOW_HOST => {
