@@ -181,9 +181,10 @@ struct GuestLimits {
     memory: usize,
 }
 
-/// At most this many tables, instances and table elements per store: the
-/// engine component has a handful of each, so these bounds only stop a
-/// hostile component from making the host allocate without end.
+/// At most this many elements in one table: the engine component's tables
+/// hold a handful of function references, so the bound only stops a
+/// hostile component from making the host allocate without end. (The
+/// counts of instances, tables and memories keep Wasmtime's defaults.)
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 
 impl ResourceLimiter for GuestLimits {
@@ -191,8 +192,13 @@ impl ResourceLimiter for GuestLimits {
         &mut self,
         _current: usize,
         desired: usize,
-        _maximum: Option<usize>,
+        maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
+        if maximum.is_some_and(|max| desired > max) {
+            // Past the memory's own declared maximum: `memory.grow` fails
+            // as the wasm spec says.
+            return Ok(false);
+        }
         if desired > self.memory {
             return Err(wasmtime::Error::new(MemoryLimitExceeded {
                 limit: self.memory,
@@ -206,9 +212,9 @@ impl ResourceLimiter for GuestLimits {
         &mut self,
         _current: usize,
         desired: usize,
-        _maximum: Option<usize>,
+        maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        Ok(desired <= MAX_TABLE_ELEMENTS)
+        Ok(desired <= MAX_TABLE_ELEMENTS && maximum.is_none_or(|max| desired <= max))
     }
 }
 
