@@ -52,7 +52,7 @@ fn loading_a_missing_file_names_the_file() -> Result<()> {
 /// A guest that runs out of memory traps mid-call: the caller gets a trap
 /// error, nothing is written, and the next call runs on a fresh instance.
 #[test]
-fn a_trapping_call_writes_nothing_and_the_next_call_works() -> Result<()> {
+fn a_call_over_the_memory_limit_writes_nothing_and_the_next_call_works() -> Result<()> {
     use idem::{BeginRequest, Decision, Policy, RecordKey, Storage, StoredResponse, Success};
 
     let store = MemoryStore::new();
@@ -82,8 +82,10 @@ fn a_trapping_call_writes_nothing_and_the_next_call_works() -> Result<()> {
     ensure!(store.compare_and_swap(before.revision, &rec)? == idem::SwapOutcome::Swapped);
     let stored = store.snapshot();
     match engine.begin(&req) {
-        Err(Error::Trap(msg)) => ensure!(!msg.is_empty()),
-        other => bail!("expected a trap, got {other:?}"),
+        Err(Error::MemoryLimit { limit, requested }) => {
+            ensure!(limit == 4 * 1024 * 1024 && requested > limit)
+        }
+        other => bail!("expected the memory limit, got {other:?}"),
     }
     ensure!(store.snapshot() == stored, "a trap writes nothing");
     let small = BeginRequest::raw(

@@ -14,8 +14,9 @@ use crate::bindings::idem::engine::{clock, results, store};
 use crate::machine::{self, Env};
 
 /// The engine's environment inside a component: every call is an import.
+/// Public for components built on this crate (the misbehaving test guest).
 #[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
-struct Imports;
+pub struct Imports;
 
 impl Env for Imports {
     fn now(&self) -> Timestamp {
@@ -55,8 +56,9 @@ impl Env for Imports {
 
 /// The exported `engine` interface. Natively it is compiled (and linted)
 /// but not exported: native symbol names cannot hold WIT's `:` and `@`.
-#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
-struct Component;
+/// Public for components built on this crate, which export the interface
+/// themselves and call this one where they behave like the engine.
+pub struct Component;
 
 impl Guest for Component {
     fn begin(request: BeginRequest) -> Result<Decision, EngineError> {
@@ -95,5 +97,7 @@ impl Guest for Component {
     }
 }
 
-#[cfg(target_arch = "wasm32")]
+// Off (feature `export`) when another component crate builds on this one
+// and exports the engine interface itself.
+#[cfg(all(target_arch = "wasm32", feature = "export"))]
 crate::bindings::export!(Component with_types_in crate::bindings);

@@ -18,7 +18,11 @@ pub mod fingerprint;
 pub mod machine;
 pub mod validate;
 
-mod component;
+#[cfg(any(test, fuzzing))]
+#[doc(hidden)]
+pub mod props;
+
+pub mod component;
 
 pub mod bindings {
     //! Types and functions generated from `wit/` by wit-bindgen.

@@ -5,8 +5,10 @@
 use std::any::Any;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{ResourceLimiter, UpdateDeadline};
 
 use crate::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, InvalidInput, KeyStatus, Policy,
@@ -17,11 +19,28 @@ use crate::clock::{Clock, SystemClock};
 use crate::store::{SqliteStore, Storage, StoreError};
 use crate::types::{Failure, RecordKey, Success, Timestamp};
 
-/// The most linear memory one guest instance may use: 256 MiB holds the
-/// largest body a policy may accept (64 MiB) several times over while it is
-/// canonicalized and hashed, and stops a runaway guest long before the host
-/// feels it.
+/// The most linear memory one guest instance may use: 256 MiB holds a
+/// 16 MiB JSON body while it is parsed, canonicalized and hashed (measured;
+/// sixteen times the default `max_body_bytes`), and stops a runaway guest
+/// long before the host feels it. A JSON body near the largest a policy may
+/// accept (64 MiB) needs more: raise it for such policies.
 pub const DEFAULT_MEMORY_LIMIT: usize = 256 * 1024 * 1024;
+
+/// The longest one call into the guest may compute (wall time while the
+/// guest runs; time in host imports, such as the store, the clock and the
+/// result lookup, does not count). A decision is a few store round trips
+/// and one pass over the body: with a 1 MiB JSON body (the default
+/// `max_body_bytes`) a `begin` computes about 50 ms on a loaded 2-vCPU
+/// machine, twenty times less than this, and a looping guest still frees
+/// its thread within a second. Bodies of several MiB need more (16 MiB of
+/// JSON took about 0.8 s there): raise it for such policies.
+pub const DEFAULT_GUEST_DEADLINE: Duration = Duration::from_secs(1);
+
+/// How often the shared ticker thread advances a Wasmtime engine's epoch:
+/// the granularity of [`EngineBuilder::guest_deadline`]. 10 ms keeps a
+/// missed deadline within 1% of a 1 s budget while the thread wakes only
+/// 100 times a second.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 
 /// The guest component built from `guest/` by `build.rs`.
 pub const DEFAULT_GUEST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/idem_guest.wasm"));
@@ -38,10 +57,34 @@ pub enum Error {
     /// The input broke a rule; nothing was written.
     #[error("invalid input: {0}")]
     Invalid(InvalidInput),
-    /// The guest trapped (a bug, or a resource limit). The instance was
-    /// discarded; every store write is atomic, so nothing is half-written.
+    /// The guest trapped: a bug in the component. The instance was
+    /// discarded; every store write is one atomic import call, so nothing is
+    /// half-written.
     #[error("the engine component trapped: {0}")]
     Trap(String),
+    /// The guest computed past its deadline ([`EngineBuilder::guest_deadline`];
+    /// time in host imports does not count) and was stopped. The instance
+    /// was discarded; the key is as its last atomic store write left it.
+    #[error(
+        "the engine component ran past its deadline of {} ms and was stopped; the instance was discarded",
+        limit.as_millis()
+    )]
+    Deadline {
+        /// The deadline that was missed.
+        limit: Duration,
+    },
+    /// The guest tried to grow its linear memory past its limit
+    /// ([`EngineBuilder::memory_limit`]) and was stopped. The instance was
+    /// discarded; the key is as its last atomic store write left it.
+    #[error(
+        "the engine component needed more than its memory limit of {limit} bytes (it asked for {requested}) and was stopped; the instance was discarded"
+    )]
+    MemoryLimit {
+        /// The limit, in bytes.
+        limit: usize,
+        /// The size the guest asked its memory to grow to, in bytes.
+        requested: usize,
+    },
     /// The component could not be loaded or does not fit idem's world.
     #[error("cannot load the engine component: {0}")]
     Load(String),
@@ -95,7 +138,94 @@ struct HostState {
     storage: Arc<dyn Storage>,
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
-    limits: wasmtime::StoreLimits,
+    limits: GuestLimits,
+    /// The current call's budget of guest time.
+    budget: GuestBudget,
+}
+
+/// How much guest time the current call may still use.
+struct GuestBudget {
+    deadline: Duration,
+    /// When the current call started.
+    started: Instant,
+    /// Time the current call spent in host imports, which does not count.
+    in_host: Duration,
+}
+
+impl GuestBudget {
+    /// Guest time used by the current call so far.
+    fn used(&self) -> Duration {
+        self.started.elapsed().saturating_sub(self.in_host)
+    }
+}
+
+/// The guest used up its time; raised from the epoch callback, read back
+/// from the trap as [`Error::Deadline`].
+#[derive(Debug, thiserror::Error)]
+#[error("the guest ran past its deadline of {0:?}")]
+struct DeadlineExceeded(Duration);
+
+/// The guest asked for more memory than allowed; raised from the limiter,
+/// read back from the trap as [`Error::MemoryLimit`].
+#[derive(Debug, thiserror::Error)]
+#[error("the guest asked for {requested} bytes of memory, more than its limit of {limit}")]
+struct MemoryLimitExceeded {
+    limit: usize,
+    requested: usize,
+}
+
+/// The memory limit: growing past it traps at once with
+/// [`MemoryLimitExceeded`], instead of handing the guest a failed
+/// `memory.grow` that it would turn into an anonymous trap anyway.
+struct GuestLimits {
+    memory: usize,
+}
+
+/// At most this many elements in one table: the engine component's tables
+/// hold a handful of function references, so the bound only stops a
+/// hostile component from making the host allocate without end. (The
+/// counts of instances, tables and memories keep Wasmtime's defaults.)
+const MAX_TABLE_ELEMENTS: usize = 100_000;
+
+impl ResourceLimiter for GuestLimits {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if maximum.is_some_and(|max| desired > max) {
+            // Past the memory's own declared maximum: `memory.grow` fails
+            // as the wasm spec says.
+            return Ok(false);
+        }
+        if desired > self.memory {
+            return Err(wasmtime::Error::new(MemoryLimitExceeded {
+                limit: self.memory,
+                requested: desired,
+            }));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= MAX_TABLE_ELEMENTS && maximum.is_none_or(|max| desired <= max))
+    }
+}
+
+impl HostState {
+    /// Runs a host import; its time does not count against the guest.
+    fn host<R>(&mut self, f: impl FnOnce(&Self) -> R) -> R {
+        let start = Instant::now();
+        let answer = f(self);
+        self.budget.in_host += start.elapsed();
+        answer
+    }
 }
 
 impl bindings::idem::engine::types::Host for HostState {}
@@ -105,14 +235,14 @@ impl wit_store::Host for HostState {
         &mut self,
         candidate: wit_types::StoredRecord,
     ) -> Result<wit_store::InsertOutcome, wit_store::StoreError> {
-        self.storage.insert_if_absent(&candidate.conv()).conv()
+        self.host(|h| h.storage.insert_if_absent(&candidate.conv()).conv())
     }
 
     fn get(
         &mut self,
         key: wit_types::RecordKey,
     ) -> Result<Option<wit_types::StoredRecord>, wit_store::StoreError> {
-        self.storage.get(&key.conv()).conv()
+        self.host(|h| h.storage.get(&key.conv()).conv())
     }
 
     fn compare_and_swap(
@@ -120,13 +250,15 @@ impl wit_store::Host for HostState {
         expected_revision: u64,
         replacement: wit_types::StoredRecord,
     ) -> Result<wit_store::SwapOutcome, wit_store::StoreError> {
-        self.storage
-            .compare_and_swap(expected_revision, &replacement.conv())
-            .conv()
+        self.host(|h| {
+            h.storage
+                .compare_and_swap(expected_revision, &replacement.conv())
+                .conv()
+        })
     }
 
     fn delete_expired(&mut self, now: u64, limit: u32) -> Result<u32, wit_store::StoreError> {
-        self.storage.delete_expired(now, limit).conv()
+        self.host(|h| h.storage.delete_expired(now, limit).conv())
     }
 
     fn list_stale(
@@ -135,17 +267,17 @@ impl wit_store::Host for HostState {
         now: u64,
         limit: u32,
     ) -> Result<Vec<wit_types::StoredRecord>, wit_store::StoreError> {
-        self.storage.list_stale(&biz_type, now, limit).conv()
+        self.host(|h| h.storage.list_stale(&biz_type, now, limit).conv())
     }
 }
 
 impl bindings::idem::engine::clock::Host for HostState {
     fn now(&mut self) -> Timestamp {
-        self.clock.now()
+        self.host(|h| h.clock.now())
     }
 
     fn pause(&mut self, duration: u64) {
-        self.clock.pause(duration)
+        self.host(|h| h.clock.pause(duration))
     }
 }
 
@@ -154,7 +286,7 @@ impl bindings::idem::engine::results::Host for HostState {
         &mut self,
         key: wit_types::RecordKey,
     ) -> Result<Option<String>, wit_store::StoreError> {
-        self.results.find_result(&key.conv()).conv()
+        self.host(|h| h.results.find_result(&key.conv()).conv())
     }
 }
 
@@ -175,11 +307,41 @@ fn load(engine: &wasmtime::Engine, wasm: &[u8]) -> Result<bindings::IdemPre<Host
     bindings::IdemPre::new(pre).map_err(|e| Error::Load(format!("{e:#}")))
 }
 
+/// A Wasmtime engine whose code checks an epoch deadline, with its own
+/// ticker thread that advances the epoch every [`EPOCH_TICK`] for as long
+/// as the engine lives.
+fn new_wasmtime_engine() -> Result<wasmtime::Engine, Error> {
+    let mut config = wasmtime::Config::new();
+    config.epoch_interruption(true);
+    let engine = wasmtime::Engine::new(&config).map_err(|e| Error::Load(format!("{e:#}")))?;
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("idem-epoch-ticker".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(EPOCH_TICK);
+                match weak.upgrade() {
+                    Some(engine) => engine.increment_epoch(),
+                    None => break,
+                }
+            }
+        })
+        .map_err(|e| Error::Load(format!("cannot start the epoch ticker thread: {e}")))?;
+    Ok(engine)
+}
+
+/// Epoch ticks that cover `d`: at least one.
+fn ticks(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(EPOCH_TICK.as_nanos()))
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
 /// The default guest, compiled once per process and shared by every engine.
 fn default_loaded() -> Result<Loaded, Error> {
     static DEFAULT: OnceLock<Result<Loaded, String>> = OnceLock::new();
     let loaded = DEFAULT.get_or_init(|| {
-        let engine = wasmtime::Engine::default();
+        let engine = new_wasmtime_engine().map_err(|e| e.to_string())?;
         let pre = load(&engine, DEFAULT_GUEST).map_err(|e| e.to_string())?;
         Ok(Loaded { engine, pre })
     });
@@ -205,6 +367,7 @@ struct Shared {
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
     memory_limit: usize,
+    guest_deadline: Duration,
     /// Idle instances, reused across calls; an instance that trapped is
     /// never put back.
     idle: Mutex<Vec<Instance>>,
@@ -218,14 +381,25 @@ pub struct EngineBuilder {
     results: Arc<dyn ResultLookup>,
     guest: Option<Vec<u8>>,
     memory_limit: usize,
+    guest_deadline: Duration,
 }
 
 impl EngineBuilder {
     /// The most linear memory one guest instance may use, in bytes;
-    /// [`DEFAULT_MEMORY_LIMIT`] by default. A call that needs more traps:
-    /// it fails with [`Error::Trap`] and its instance is discarded.
+    /// [`DEFAULT_MEMORY_LIMIT`] by default. A call that needs more is
+    /// stopped: it fails with [`Error::MemoryLimit`] and its instance is
+    /// discarded.
     pub fn memory_limit(mut self, bytes: usize) -> Self {
         self.memory_limit = bytes;
+        self
+    }
+
+    /// The longest one call into the guest may compute, time in host
+    /// imports not counted; [`DEFAULT_GUEST_DEADLINE`] by default, measured
+    /// in steps of [`EPOCH_TICK`]. A call that runs longer is stopped: it
+    /// fails with [`Error::Deadline`] and its instance is discarded.
+    pub fn guest_deadline(mut self, deadline: Duration) -> Self {
+        self.guest_deadline = deadline;
         self
     }
 
@@ -274,7 +448,7 @@ impl EngineBuilder {
         let loaded = match self.guest {
             None => default_loaded()?,
             Some(wasm) => {
-                let engine = wasmtime::Engine::default();
+                let engine = new_wasmtime_engine()?;
                 let pre = load(&engine, &wasm)?;
                 Loaded { engine, pre }
             }
@@ -287,10 +461,26 @@ impl EngineBuilder {
                 clock: self.clock,
                 results: self.results,
                 memory_limit: self.memory_limit,
+                guest_deadline: self.guest_deadline,
                 idle: Mutex::new(Vec::new()),
             }),
         })
     }
+}
+
+/// What a failed call into the guest means: a missed deadline, the memory
+/// limit, or any other trap.
+fn guest_error(e: &wasmtime::Error, context: &str) -> Error {
+    if let Some(DeadlineExceeded(limit)) = e.downcast_ref::<DeadlineExceeded>() {
+        return Error::Deadline { limit: *limit };
+    }
+    if let Some(m) = e.downcast_ref::<MemoryLimitExceeded>() {
+        return Error::MemoryLimit {
+            limit: m.limit,
+            requested: m.requested,
+        };
+    }
+    Error::Trap(format!("{context}{e:#}"))
 }
 
 /// How a business action ended, for [`Engine::run`].
@@ -354,6 +544,7 @@ impl Engine {
             results: Arc::new(NoLookup),
             guest: None,
             memory_limit: DEFAULT_MEMORY_LIMIT,
+            guest_deadline: DEFAULT_GUEST_DEADLINE,
         }
     }
 
@@ -388,18 +579,35 @@ impl Engine {
             storage: self.shared.storage.clone(),
             clock: self.shared.clock.clone(),
             results: self.shared.results.clone(),
-            limits: wasmtime::StoreLimitsBuilder::new()
-                .memory_size(self.shared.memory_limit)
-                .build(),
+            limits: GuestLimits {
+                memory: self.shared.memory_limit,
+            },
+            budget: GuestBudget {
+                deadline: self.shared.guest_deadline,
+                started: Instant::now(),
+                in_host: Duration::ZERO,
+            },
         };
         let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
         store.limiter(|state| &mut state.limits);
+        // Reached every `ticks(remaining)`: stop the guest once it has used
+        // its budget, else wait for the rest of it. Time in host imports
+        // passes the epoch on but is given back here.
+        store.epoch_deadline_callback(|ctx| {
+            let budget = &ctx.data().budget;
+            let used = budget.used();
+            if used >= budget.deadline {
+                return Err(wasmtime::Error::new(DeadlineExceeded(budget.deadline)));
+            }
+            Ok(UpdateDeadline::Continue(ticks(budget.deadline - used)))
+        });
+        store.set_epoch_deadline(ticks(self.shared.guest_deadline));
         let idem = self
             .shared
             .loaded
             .pre
             .instantiate(&mut store)
-            .map_err(|e| Error::Trap(format!("instantiation failed: {e:#}")))?;
+            .map_err(|e| guest_error(&e, "instantiation failed: "))?;
         Ok(Instance { store, idem })
     }
 
@@ -417,6 +625,10 @@ impl Engine {
         if let Some(storage) = storage {
             inst.store.data_mut().storage = storage;
         }
+        inst.store.data_mut().budget.started = Instant::now();
+        inst.store.data_mut().budget.in_host = Duration::ZERO;
+        inst.store
+            .set_epoch_deadline(ticks(self.shared.guest_deadline));
         let outcome = f(inst.idem.idem_engine_engine(), &mut inst.store);
         inst.store.data_mut().storage = self.shared.storage.clone();
         match outcome {
@@ -428,7 +640,7 @@ impl Engine {
                     .push(inst);
                 answer.map_err(Error::from)
             }
-            Err(trap) => Err(Error::Trap(format!("{trap:#}"))),
+            Err(trap) => Err(guest_error(&trap, "")),
         }
     }
 

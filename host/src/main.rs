@@ -5,6 +5,7 @@ use std::ffi::{OsStr, OsString};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -103,13 +104,13 @@ fn main() -> Result<()> {
             admin,
         } => run_serve(&cli, config, listen, upstream, admin.as_deref()),
         Command::Inspect { scope, biz, key } => {
-            let engine = open(&cli)?.engine()?;
+            let engine = open(&cli)?.engine(&config)?;
             let status =
                 engine.inspect(&RecordKey::new(scope.as_str(), biz.as_str(), key.as_str()))?;
             print_inspect(cli.json, scope, biz, key, status.as_ref())
         }
         Command::Sweep { limit } => {
-            let engine = open(&cli)?.engine()?;
+            let engine = open(&cli)?.engine(&config)?;
             let batch = limit.unwrap_or(config.sweep_batch);
             if batch == 0 {
                 bail!("--limit must be at least 1");
@@ -130,7 +131,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Reconcile { biz, limit } => {
-            let engine = open(&cli)?.engine()?;
+            let engine = open(&cli)?.engine(&config)?;
             let policy = config.policy_for(biz);
             let report = engine.reconcile(biz, &policy, *limit)?;
             print_reconcile(cli.json, biz, &report)
@@ -177,8 +178,14 @@ enum Db {
 }
 
 impl Db {
-    fn engine(&self) -> Result<Engine> {
-        let builder = Engine::builder();
+    /// An engine on this store, bounded as `config` says.
+    fn engine(&self, config: &ProxyConfig) -> Result<Engine> {
+        let builder = Engine::builder()
+            .guest_deadline(Duration::from_millis(config.guest_deadline_ms))
+            .memory_limit(
+                usize::try_from(config.guest_memory_bytes)
+                    .context("guest_memory_bytes does not fit this machine's address space")?,
+            );
         let builder = match self {
             Db::Sqlite(s) => builder.storage(s.clone()),
             #[cfg(feature = "postgres")]
@@ -249,7 +256,7 @@ fn run_serve(
         .parse()
         .with_context(|| format!("--upstream '{upstream}' is not a URI"))?;
     let db = open(cli)?;
-    let engine = db.engine()?;
+    let engine = db.engine(&config)?;
     let store = db.shared();
     let proxy = Proxy::new(engine, store, config, upstream)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -31,6 +31,10 @@ pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 /// default 1 MiB body limit at about 35 KB/s, and short enough that a body
 /// that stops before its Content-Length does not hold a connection for long.
 pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+/// The smallest `guest_memory_bytes` accepted: the engine component starts
+/// with about 1.1 MiB (its 1 MiB stack and its data), so a lower limit
+/// would leave no room to canonicalize even a small body.
+pub const MIN_GUEST_MEMORY_BYTES: u64 = 4 * 1024 * 1024;
 
 /// Why a configuration could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -388,6 +392,17 @@ pub struct ProxyConfig {
     /// before its Content-Length) is answered 408; nothing is stored.
     /// Default [`DEFAULT_BODY_READ_TIMEOUT_MS`].
     pub body_read_timeout_ms: u64,
+    /// `guest_deadline_ms`: the longest one call into the engine component
+    /// may compute, in milliseconds; time in the store, the clock and the
+    /// result lookup does not count. A call past it fails (500) and its
+    /// instance is discarded. Default 1 000
+    /// ([`crate::engine::DEFAULT_GUEST_DEADLINE`]).
+    pub guest_deadline_ms: u64,
+    /// `guest_memory_bytes`: the most linear memory one instance of the
+    /// engine component may use, in bytes, at least 4 MiB. A call that
+    /// needs more fails (500) and its instance is discarded. Default
+    /// 268 435 456 (256 MiB, [`crate::engine::DEFAULT_MEMORY_LIMIT`]).
+    pub guest_memory_bytes: u64,
     /// `[defaults]`: the policy of every route and of unmatched requests.
     pub defaults: PolicyConfig,
     /// `[[routes]]`: the first route matching a request's method and path
@@ -406,6 +421,9 @@ impl Default for ProxyConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
             body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
+            guest_deadline_ms: u64::try_from(crate::engine::DEFAULT_GUEST_DEADLINE.as_millis())
+                .unwrap_or(u64::MAX),
+            guest_memory_bytes: crate::engine::DEFAULT_MEMORY_LIMIT as u64,
             defaults: PolicyConfig::default(),
             routes: Vec::new(),
         }
@@ -476,6 +494,22 @@ impl ProxyConfig {
             return Err(ConfigError::invalid(
                 "body_read_timeout_ms",
                 "must be at least 1",
+            ));
+        }
+        if self.guest_deadline_ms == 0 {
+            return Err(ConfigError::invalid(
+                "guest_deadline_ms",
+                "must be at least 1",
+            ));
+        }
+        if self.guest_memory_bytes < MIN_GUEST_MEMORY_BYTES
+            || usize::try_from(self.guest_memory_bytes).is_err()
+        {
+            return Err(ConfigError::invalid(
+                "guest_memory_bytes",
+                format!(
+                    "must be at least {MIN_GUEST_MEMORY_BYTES} (4 MiB) and fit this machine's address space"
+                ),
             ));
         }
         let scope_header = match &self.scope_header {
@@ -914,6 +948,23 @@ mod tests {
         let m = parse_err("[[routes]]\npath = \"/a\"\nlease_ms = 5");
         assert!(
             m.contains("routes[0].biz_type") && m.contains("[defaults]"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn guest_limits_are_read_and_checked() {
+        let c = ProxyConfig::from_toml_str("guest_deadline_ms = 250\nguest_memory_bytes = 8388608")
+            .unwrap();
+        assert_eq!((c.guest_deadline_ms, c.guest_memory_bytes), (250, 8 << 20));
+        let m = parse_err("guest_deadline_ms = 0");
+        assert!(
+            m.contains("guest_deadline_ms") && m.contains("at least 1"),
+            "{m}"
+        );
+        let m = parse_err("guest_memory_bytes = 65536");
+        assert!(
+            m.contains("guest_memory_bytes") && m.contains("4 MiB"),
             "{m}"
         );
     }

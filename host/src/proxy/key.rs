@@ -125,9 +125,73 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// The header parser's properties on arbitrary bytes, shared by the
+/// cargo-fuzz target (`fuzz/`, built with `--cfg fuzzing`) and the
+/// proptests below. Panics when one breaks.
+#[cfg(any(test, fuzzing))]
+pub(crate) fn check_key_header(bytes: &[u8]) {
+    // Bytes no header can carry (NUL, CR, LF) never reach the parser.
+    let Ok(value) = HeaderValue::from_bytes(bytes) else {
+        return;
+    };
+    let parsed = parse_idempotency_key(&value);
+    let text = std::str::from_utf8(bytes).ok();
+    match (&parsed, text) {
+        (Err(KeyHeaderError::NotUtf8), None) => return,
+        (_, None) => panic!("non-UTF-8 bytes gave {parsed:?}"),
+        (Err(KeyHeaderError::NotUtf8), Some(_)) => panic!("UTF-8 text refused as not UTF-8"),
+        _ => {}
+    }
+    let trimmed = text.unwrap_or_default().trim_matches([' ', '\t']);
+    if let Ok(key) = &parsed {
+        assert!(
+            !key.chars().any(char::is_control),
+            "a control character in {key:?}"
+        );
+        if !trimmed.starts_with('"') {
+            assert_eq!(key, trimmed, "a bare value was changed");
+        }
+    }
+    if trimmed.chars().any(char::is_control) {
+        assert_eq!(parsed, Err(KeyHeaderError::ControlCharacter));
+        return;
+    }
+    // The same key as a Structured Field string means the same key.
+    if let Some(key) = text.filter(|t| t.bytes().all(|b| (0x20..0x7f).contains(&b))) {
+        let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+        let value = HeaderValue::from_str(&quoted).expect("printable ASCII is a header value");
+        assert_eq!(
+            parse_idempotency_key(&value).as_deref(),
+            Ok(key),
+            "{quoted}"
+        );
+        if !trimmed.starts_with('"') && trimmed == key {
+            assert_eq!(parsed.as_deref(), Ok(key));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 4096,
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        #[test]
+        fn prop_any_bytes(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..48)) {
+            check_key_header(&bytes);
+        }
+
+        #[test]
+        fn prop_key_like_text(text in r#"[ \t]{0,2}"?([a-zA-Z0-9\-_:%'; ]|\\"|\\\\|"){0,24}"?[ \t]{0,2}"#) {
+            check_key_header(text.as_bytes());
+        }
+    }
 
     fn parse(bytes: &[u8]) -> Result<String, KeyHeaderError> {
         parse_idempotency_key(&HeaderValue::from_bytes(bytes).unwrap())
