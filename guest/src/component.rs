@@ -15,7 +15,7 @@ use crate::machine::{self, Env};
 
 /// The engine's environment inside a component: every call is an import.
 #[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
-struct Imports;
+pub(crate) struct Imports;
 
 impl Env for Imports {
     fn now(&self) -> Timestamp {
@@ -56,7 +56,7 @@ impl Env for Imports {
 /// The exported `engine` interface. Natively it is compiled (and linted)
 /// but not exported: native symbol names cannot hold WIT's `:` and `@`.
 #[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
-struct Component;
+pub(crate) struct Component;
 
 impl Guest for Component {
     fn begin(request: BeginRequest) -> Result<Decision, EngineError> {

@@ -91,11 +91,35 @@ impl ResultLookup for NoLookup {
 }
 
 /// What the guest's imports reach: one per wasmtime store.
-struct HostState {
+pub(crate) struct HostState {
     storage: Arc<dyn Storage>,
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
     limits: wasmtime::StoreLimits,
+}
+
+impl HostState {
+    /// The imports of one store: `storage`, `clock`, no result lookup, and
+    /// at most `memory_limit` bytes of linear memory per instance.
+    pub(crate) fn new(
+        storage: Arc<dyn Storage>,
+        clock: Arc<dyn Clock>,
+        memory_limit: usize,
+    ) -> Self {
+        HostState {
+            storage,
+            clock,
+            results: Arc::new(NoLookup),
+            limits: wasmtime::StoreLimitsBuilder::new()
+                .memory_size(memory_limit)
+                .build(),
+        }
+    }
+
+    /// The store's resource limits, for `Store::limiter`.
+    pub(crate) fn limits(&mut self) -> &mut wasmtime::StoreLimits {
+        &mut self.limits
+    }
 }
 
 impl bindings::idem::engine::types::Host for HostState {}
@@ -384,16 +408,14 @@ impl Engine {
         if let Some(inst) = idle {
             return Ok(inst);
         }
-        let state = HostState {
-            storage: self.shared.storage.clone(),
-            clock: self.shared.clock.clone(),
-            results: self.shared.results.clone(),
-            limits: wasmtime::StoreLimitsBuilder::new()
-                .memory_size(self.shared.memory_limit)
-                .build(),
-        };
+        let mut state = HostState::new(
+            self.shared.storage.clone(),
+            self.shared.clock.clone(),
+            self.shared.memory_limit,
+        );
+        state.results = self.shared.results.clone();
         let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
-        store.limiter(|state| &mut state.limits);
+        store.limiter(|state| state.limits());
         let idem = self
             .shared
             .loaded
