@@ -52,6 +52,8 @@ pub mod bindings {
         generate_all,
         pub_export_macro: true,
         additional_derives: [PartialEq, Eq],
+        // Holds a resource, which has no equality.
+        additional_derives_ignore: ["stream-error"],
     });
 }
 

@@ -65,7 +65,7 @@ mod bridge {
     wasmtime::component::bindgen!({
         path: "../wit",
         world: "middleware",
-        imports: { default: async },
+        imports: { default: async | trappable },
         with: {
             "wasi:http/types": wasmtime_wasi_http::p2::bindings::http::types,
             "wasi:io": wasmtime_wasi::p2::bindings::io,
@@ -74,7 +74,7 @@ mod bridge {
             "idem:engine/store": crate::bindings::idem::engine::store,
             "idem:engine/clock": crate::bindings::idem::engine::clock,
             "idem:engine/results": crate::bindings::idem::engine::results,
-            "idem:engine/http-bridge/response-capture": super::Capture,
+            "idem:engine/http-bridge.response-capture": super::Capture,
         },
     });
 }
@@ -121,13 +121,13 @@ impl http_bridge::Host for State {
     async fn request_body(
         &mut self,
         request: Resource<HostIncomingRequest>,
-    ) -> Result<Vec<u8>, BodyError> {
-        match &self.request {
+    ) -> wasmtime::Result<Result<Vec<u8>, BodyError>> {
+        Ok(match &self.request {
             Some((rep, body)) if *rep == request.rep() => Ok(body.to_vec()),
             _ => Err(BodyError::Unreadable(
                 "this request was not made by the host for this call".into(),
             )),
-        }
+        })
     }
 }
 
@@ -333,7 +333,7 @@ async fn run(inner: &Inner, request: hyper::Request<Bytes>) -> wasmtime::Result<
     store.limiter(|s| s.idem.limits());
     let (parts, body) = request.into_parts();
     let bytes = body.clone();
-    let full = Full::new(body).map_err(|never: std::convert::Infallible| match never {});
+    let full = Full::new(body);
     let req = store
         .data_mut()
         .http()

@@ -18,7 +18,7 @@
 mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "wasi:http/proxy@0.2.6",
+        world: "wasi:http/proxy@0.2.12",
         generate_all,
     });
 }
