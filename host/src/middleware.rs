@@ -29,7 +29,7 @@ use wasmtime_wasi_http::p2::bindings::ProxyPre;
 use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::p2::types::{HostIncomingRequest, HostResponseOutparam};
-use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpView};
+use wasmtime_wasi_http::{WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
 use crate::bindings::{self as idem_bindings, wit_types};
 use crate::clock::Clock;
@@ -88,10 +88,37 @@ pub struct Capture {
     collected: Option<tokio::task::JoinHandle<Result<wit_types::StoredResponse, String>>>,
 }
 
+/// The `wasi:http` hooks of a served component: outgoing requests are
+/// refused. The middleware and the handlers it wraps answer from the store
+/// and their own logic, and no TLS client is linked in.
+struct DenyOutgoing;
+
+/// What `send_request` answers: a future of the response, or the error.
+type SendFuture = Box<
+    dyn std::future::Future<
+            Output = wasmtime_wasi_http::Result<(
+                http::Response<WasiBody>,
+                Box<dyn std::future::Future<Output = wasmtime_wasi_http::Result<()>> + Send>,
+            )>,
+        > + Send,
+>;
+
+impl WasiHttpHooks for DenyOutgoing {
+    fn send_request(
+        &mut self,
+        _request: http::Request<WasiBody>,
+        _options: Option<wasmtime_wasi_http::RequestOptions>,
+        _fut: Box<dyn std::future::Future<Output = wasmtime_wasi_http::Result<()>> + Send>,
+    ) -> SendFuture {
+        Box::new(async { Err(wasmtime_wasi_http::Error::HttpRequestDenied) })
+    }
+}
+
 /// What one instance's imports reach.
 struct State {
     wasi: WasiCtx,
     http: WasiHttpCtx,
+    hooks: DenyOutgoing,
     table: ResourceTable,
     idem: HostState,
     /// The request the host made for this call, and its whole body.
@@ -112,7 +139,7 @@ impl WasiHttpView for State {
         WasiHttpCtxView {
             ctx: &mut self.http,
             table: &mut self.table,
-            hooks: Default::default(),
+            hooks: &mut self.hooks,
         }
     }
 }
@@ -243,9 +270,7 @@ impl ComponentServer {
         clock: Arc<dyn Clock>,
     ) -> Result<Self, ServeError> {
         let load = |e: wasmtime::Error| ServeError::Load(format!("{e:#}"));
-        let mut config = wasmtime::Config::new();
-        config.async_support(true);
-        let engine = wasmtime::Engine::new(&config).map_err(load)?;
+        let engine = wasmtime::Engine::default();
         let component = Component::new(&engine, wasm).map_err(load)?;
         let mut linker = Linker::<State>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(load)?;
@@ -321,6 +346,7 @@ async fn run(inner: &Inner, request: hyper::Request<Bytes>) -> wasmtime::Result<
     let state = State {
         wasi: WasiCtx::builder().inherit_stdout().inherit_stderr().build(),
         http: WasiHttpCtx::new(),
+        hooks: DenyOutgoing,
         table: ResourceTable::new(),
         idem: HostState::new(
             inner.storage.clone(),
