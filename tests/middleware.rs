@@ -132,27 +132,47 @@ fn duplicates_run_the_handler_once_and_replay_its_answer() -> Result<()> {
         let again = w.order("order-1", body)?;
         again.expect_status(201)?;
         ensure!(again.replayed(), "a duplicate is not marked as replayed");
-        ensure!(again.body == first.body, "the replay differs: {}", again.text());
+        ensure!(
+            again.body == first.body,
+            "the replay differs: {}",
+            again.text()
+        );
         ensure!(
             again.header("content-type") == first.header("content-type"),
             "the replay's content type differs"
         );
     }
-    ensure!(w.executions("/orders", 1) == 1,
+    ensure!(
+        w.executions("/orders", 1) == 1,
         "the handler ran {} times",
-        w.executions("/orders", 2));
+        w.executions("/orders", 2)
+    );
 
     // A new key runs again, with a new order.
     let second = w.order("order-2", r#"{"sku":"A1","qty":2}"#)?;
     second.expect_status(201)?;
-    ensure!(second.json()?["order_id"] != order_id.as_str(), "same order id");
-    ensure!(w.executions("/orders", 2) == 2, "the handler did not run for a new key");
+    ensure!(
+        second.json()?["order_id"] != order_id.as_str(),
+        "same order id"
+    );
+    ensure!(
+        w.executions("/orders", 2) == 2,
+        "the handler did not run for a new key"
+    );
 
     // The key is in the store, under the proxy's biz type and scope.
     let db = w._dir.path().join("idem.db");
     let db = db.to_str().context("utf-8 path")?;
     let out = idem_ok(&[
-        "--db", db, "--json", "inspect", "--scope", "anonymous", "--biz", "http", "--key",
+        "--db",
+        db,
+        "--json",
+        "inspect",
+        "--scope",
+        "anonymous",
+        "--biz",
+        "http",
+        "--key",
         "order-1",
     ])?;
     let status = out.json()?;
@@ -179,7 +199,10 @@ fn concurrent_duplicates_run_the_handler_once() -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
 
     let created: Vec<&Resp> = answers.iter().filter(|r| r.status == 201).collect();
-    ensure!(!created.is_empty(), "no duplicate got the order: {answers:?}");
+    ensure!(
+        !created.is_empty(),
+        "no duplicate got the order: {answers:?}"
+    );
     for r in &answers {
         if r.status != 201 {
             // Still running when it arrived: told to retry, nothing ran.
@@ -195,13 +218,18 @@ fn concurrent_duplicates_run_the_handler_once() -> Result<()> {
         created.iter().filter(|r| !r.replayed()).count() == 1,
         "not exactly one original answer"
     );
-    ensure!(w.executions("/orders", 1) == 1,
+    ensure!(
+        w.executions("/orders", 1) == 1,
         "the handler ran {} times",
-        w.executions("/orders", 2));
+        w.executions("/orders", 2)
+    );
 
     // Once settled, every retry is a replay of that one order.
     let retry = w.order("order-concurrent", r#"{"sku":"B2","qty":1}"#)?;
-    ensure!(retry.replayed() && retry.body == created[0].body, "{retry:?}");
+    ensure!(
+        retry.replayed() && retry.body == created[0].body,
+        "{retry:?}"
+    );
     ensure!(w.executions("/orders", 1) == 1, "a retry ran the handler");
     Ok(())
 }
@@ -246,7 +274,10 @@ fn mismatches_and_bad_keys_are_refused_without_running() -> Result<()> {
     let bad = w.order("order-bad-json", "{not json")?;
     let p = bad.expect_problem(400, "invalid-request")?;
     ensure!(p["field"] == "body" && p["rule"] == "not-json", "{p}");
-    ensure!(w.executions("/orders", 1) == 1, "a refused request ran the handler");
+    ensure!(
+        w.executions("/orders", 1) == 1,
+        "a refused request ran the handler"
+    );
     Ok(())
 }
 
@@ -261,7 +292,12 @@ fn failures_follow_their_disposition() -> Result<()> {
     ensure!(again.replayed() && again.body == first.body, "{again:?}");
     // 503 is retryable: the key is released and the next duplicate runs.
     for _ in 0..2 {
-        let r = w.server.post("/overloaded").key("busy-1").json("{}").send()?;
+        let r = w
+            .server
+            .post("/overloaded")
+            .key("busy-1")
+            .json("{}")
+            .send()?;
         r.expect_status(503)?;
         ensure!(!r.replayed(), "a retryable failure was replayed");
     }

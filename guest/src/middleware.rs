@@ -114,7 +114,7 @@ fn respond(out: ResponseOutparam, response: &StoredResponse, replayed: bool) {
         let _ = fields.append(name, value);
     }
     if replayed {
-        let _ = fields.append(&http::IDEMPOTENT_REPLAYED.to_owned(), &b"true".to_vec());
+        let _ = fields.append(http::IDEMPOTENT_REPLAYED, b"true");
     }
     let outgoing = OutgoingResponse::new(fields);
     if outgoing.set_status_code(response.status).is_err() {
@@ -253,8 +253,8 @@ enum Outcome {
 
 impl Outcome {
     fn of(response: &StoredResponse) -> Outcome {
-        let stored = http::storable(response.headers.len(), response.body.len())
-            .then(|| response.clone());
+        let stored =
+            http::storable(response.headers.len(), response.body.len()).then(|| response.clone());
         match http::classify_status(response.status) {
             None => Outcome::Complete(Success {
                 result_ref: None,

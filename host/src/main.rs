@@ -177,9 +177,8 @@ fn main() -> Result<()> {
             out,
             middleware,
         } => {
-            let read = |p: &Path| {
-                std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))
-            };
+            let read =
+                |p: &Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
             let middleware = match middleware {
                 Some(path) => read(path)?,
                 None => idem::middleware::MIDDLEWARE_GUEST.to_vec(),

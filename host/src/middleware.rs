@@ -377,7 +377,9 @@ async fn run(inner: &Inner, request: hyper::Request<Bytes>) -> wasmtime::Result<
     });
     match rx.await {
         Ok(Ok(response)) => Ok(response.map(|b| Body::new(b.map_err(|e| format!("{e:?}"))))),
-        Ok(Err(code)) => Err(wasmtime::format_err!("the component answered an error: {code:?}")),
+        Ok(Err(code)) => Err(wasmtime::format_err!(
+            "the component answered an error: {code:?}"
+        )),
         Err(_) => match task.await {
             Ok(Ok(())) => Err(wasmtime::format_err!("the component set no response")),
             Ok(Err(e)) => Err(e),
@@ -405,8 +407,13 @@ pub fn compose(middleware: &[u8], handler: &[u8]) -> Result<Vec<u8>, ComposeErro
     use wac_graph::{CompositionGraph, EncodeOptions};
     let err = |what: &str, e: &dyn std::fmt::Display| ComposeError(format!("{what}: {e:#}"));
     let mut graph = CompositionGraph::new();
-    let socket = Package::from_bytes("idem:middleware", None, middleware.to_vec(), graph.types_mut())
-        .map_err(|e| err("the middleware", &e))?;
+    let socket = Package::from_bytes(
+        "idem:middleware",
+        None,
+        middleware.to_vec(),
+        graph.types_mut(),
+    )
+    .map_err(|e| err("the middleware", &e))?;
     let socket = graph
         .register_package(socket)
         .map_err(|e| err("the middleware", &e))?;

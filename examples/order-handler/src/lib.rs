@@ -102,7 +102,7 @@ impl Guest for Handler {
         // The visible side effect: one line per execution.
         println!("order-handler: executed {method} {path} -> {status}");
         let headers = Fields::new();
-        let _ = headers.append(&"content-type".to_string(), &b"application/json".to_vec());
+        let _ = headers.append("content-type", b"application/json");
         let response = OutgoingResponse::new(headers);
         let _ = response.set_status_code(status);
         let Ok(outgoing) = response.body() else {
