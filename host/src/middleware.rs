@@ -427,3 +427,55 @@ pub fn compose(middleware: &[u8], handler: &[u8]) -> Result<Vec<u8>, ComposeErro
         .encode(EncodeOptions::default())
         .map_err(|e| err("encoding", &e))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_middleware_imports_idem_and_wasi_http_and_exports_both_worlds() {
+        let engine = wasmtime::Engine::default();
+        let component = Component::new(&engine, MIDDLEWARE_GUEST).unwrap();
+        let ty = component.component_type();
+        let imports: Vec<String> = ty.imports(&engine).map(|(n, _)| n.to_string()).collect();
+        let exports: Vec<String> = ty.exports(&engine).map(|(n, _)| n.to_string()).collect();
+        for name in [
+            "idem:engine/store@0.1.0",
+            "idem:engine/clock@0.1.0",
+            "idem:engine/http-bridge@0.1.0",
+            "wasi:http/types@0.2.12",
+            "wasi:http/incoming-handler@0.2.12",
+        ] {
+            assert!(imports.iter().any(|i| i == name), "{name} in {imports:?}");
+        }
+        // No WASI beyond what wasi:http needs: no CLI, no filesystem.
+        assert!(
+            imports.iter().all(|i| i.starts_with("idem:")
+                || i.starts_with("wasi:http/")
+                || i.starts_with("wasi:io/")
+                || i.starts_with("wasi:clocks/")),
+            "{imports:?}"
+        );
+        assert!(
+            exports
+                .iter()
+                .any(|e| e == "wasi:http/incoming-handler@0.2.12")
+        );
+        assert!(exports.iter().any(|e| e == "idem:engine/engine@0.1.0"));
+    }
+
+    #[test]
+    fn compose_names_the_input_that_is_not_a_component() {
+        let e = compose(b"not wasm", MIDDLEWARE_GUEST).unwrap_err();
+        assert!(e.to_string().contains("the middleware"), "{e}");
+        let e = compose(MIDDLEWARE_GUEST, b"\0asm").unwrap_err();
+        assert!(e.to_string().contains("the handler"), "{e}");
+    }
+
+    #[test]
+    fn compose_refuses_a_handler_that_exports_no_incoming_handler() {
+        // The engine component exports only idem's `engine`.
+        let e = compose(MIDDLEWARE_GUEST, crate::engine::DEFAULT_GUEST).unwrap_err();
+        assert!(e.to_string().contains("plugging"), "{e}");
+    }
+}
