@@ -13,6 +13,8 @@ fn main() {
         &root,
         "idem-misbehaving-guest",
         "idem_misbehaving_guest",
+        &[],
+        "idem_misbehaving_guest",
         &[
             "tests/guests/misbehaving/src",
             "tests/guests/misbehaving/Cargo.toml",

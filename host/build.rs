@@ -1,5 +1,7 @@
 //! Builds the guest crate into a WebAssembly component and puts it in
-//! `OUT_DIR/idem_guest.wasm`, where `engine.rs` embeds it.
+//! `OUT_DIR/idem_guest.wasm`, where `engine.rs` embeds it; with the
+//! `middleware` feature, also the guest's `middleware` world into
+//! `OUT_DIR/idem_middleware.wasm`, which `middleware.rs` embeds.
 
 use std::env;
 use std::path::PathBuf;
@@ -12,10 +14,18 @@ fn main() {
     let root = manifest_dir
         .parent()
         .expect("the host crate sits in the workspace");
-    build_component::build_component(
-        root,
-        "idem-guest",
-        "idem_guest",
-        &["guest/src", "guest/Cargo.toml"],
-    );
+    let watch = ["guest/src", "guest/Cargo.toml"];
+    build_component::build_component(root, "idem-guest", "idem_guest", &[], "idem_guest", &watch);
+    if env::var_os("CARGO_FEATURE_MIDDLEWARE").is_some() {
+        // The same crate with the `middleware` world: the same target
+        // directory, so only the guest crate itself is compiled again.
+        build_component::build_component(
+            root,
+            "idem-guest",
+            "idem_guest",
+            &["middleware"],
+            "idem_middleware",
+            &watch,
+        );
+    }
 }

@@ -13,10 +13,19 @@ const GUEST_TARGET: &str = "wasm32-wasip2";
 const GUEST_PROFILE: &str = "guest";
 
 /// Builds `package` (a workspace member under `root`) for `wasm32-wasip2`
-/// with the `guest` profile and copies its component to
-/// `OUT_DIR/<file_stem>.wasm`. `watch` lists the paths, relative to
-/// `root`, whose change rebuilds it.
-pub fn build_component(root: &Path, package: &str, file_stem: &str, watch: &[&str]) {
+/// with the `guest` profile and copies its component
+/// (`<file_stem>.wasm`) to `OUT_DIR/<dest_stem>.wasm`. `features` are the
+/// cargo features to build it with; builds of one package share their
+/// output path, so each copy is taken right after its build. `watch` lists
+/// the paths, relative to `root`, whose change rebuilds it.
+pub fn build_component(
+    root: &Path,
+    package: &str,
+    file_stem: &str,
+    features: &[&str],
+    dest_stem: &str,
+    watch: &[&str],
+) {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
     let target_dir = out_dir.join("guest-target");
 
@@ -32,6 +41,7 @@ pub fn build_component(root: &Path, package: &str, file_stem: &str, watch: &[&st
     cmd.current_dir(root)
         .args(["build", "--locked", "-p", package, "--target", GUEST_TARGET])
         .args(["--profile", GUEST_PROFILE])
+        .args(features.iter().flat_map(|f| ["--features", f]))
         .arg("--target-dir")
         .arg(&target_dir);
     // The outer build's settings are not the guest's: clippy's wrapper,
@@ -52,12 +62,11 @@ pub fn build_component(root: &Path, package: &str, file_stem: &str, watch: &[&st
     let status = cmd.status().expect("failed to run cargo for the guest");
     assert!(status.success(), "building the {package} component failed");
 
-    let file = format!("{file_stem}.wasm");
     let built = target_dir
         .join(GUEST_TARGET)
         .join(GUEST_PROFILE)
-        .join(&file);
-    let dest = out_dir.join(&file);
+        .join(format!("{file_stem}.wasm"));
+    let dest = out_dir.join(format!("{dest_stem}.wasm"));
     std::fs::copy(&built, &dest)
         .unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", built.display(), dest.display()));
 }

@@ -8,6 +8,11 @@
 //! Layout: [`machine`] holds the decision logic, written against the
 //! [`machine::Env`] trait; [`component`] is the thin layer that binds it to
 //! the component's imports and exports.
+//!
+//! With the `middleware` feature the crate builds the `middleware` world
+//! instead: the same engine, plus a `wasi:http` handler ([`middleware`])
+//! that wraps another handler with idempotency; [`http`] holds its
+//! plain-Rust HTTP rules.
 #![cfg_attr(target_arch = "wasm32", no_std)]
 #![warn(missing_docs)]
 
@@ -15,6 +20,7 @@ extern crate alloc;
 
 pub mod canonical;
 pub mod fingerprint;
+pub mod http;
 pub mod machine;
 pub mod validate;
 
@@ -23,7 +29,10 @@ pub mod validate;
 pub mod props;
 
 pub mod component;
+#[cfg(feature = "middleware")]
+pub mod middleware;
 
+#[cfg(not(feature = "middleware"))]
 pub mod bindings {
     //! Types and functions generated from `wit/` by wit-bindgen.
     #![allow(missing_docs)]
@@ -33,6 +42,22 @@ pub mod bindings {
         generate_all,
         pub_export_macro: true,
         additional_derives: [PartialEq, Eq],
+    });
+}
+
+#[cfg(feature = "middleware")]
+pub mod bindings {
+    //! Types and functions generated from `wit/` by wit-bindgen, for the
+    //! `middleware` world: the `idem` world plus `wasi:http`.
+    #![allow(missing_docs)]
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "middleware",
+        generate_all,
+        pub_export_macro: true,
+        additional_derives: [PartialEq, Eq],
+        // Holds a resource, which has no equality.
+        additional_derives_ignore: ["stream-error"],
     });
 }
 

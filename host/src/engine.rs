@@ -134,7 +134,7 @@ impl ResultLookup for NoLookup {
 }
 
 /// What the guest's imports reach: one per wasmtime store.
-struct HostState {
+pub(crate) struct HostState {
     storage: Arc<dyn Storage>,
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
@@ -225,6 +225,38 @@ impl HostState {
         let answer = f(self);
         self.budget.in_host += start.elapsed();
         answer
+    }
+}
+
+impl HostState {
+    /// The imports of one store: `storage`, `clock`, no result lookup, and
+    /// at most `memory_limit` bytes of linear memory per instance.
+    /// `deadline` is the guest-time budget of each call; it is enforced
+    /// only where the store's engine has epoch interruption on.
+    pub(crate) fn new(
+        storage: Arc<dyn Storage>,
+        clock: Arc<dyn Clock>,
+        memory_limit: usize,
+        deadline: Duration,
+    ) -> Self {
+        HostState {
+            storage,
+            clock,
+            results: Arc::new(NoLookup),
+            limits: GuestLimits {
+                memory: memory_limit,
+            },
+            budget: GuestBudget {
+                deadline,
+                started: Instant::now(),
+                in_host: Duration::ZERO,
+            },
+        }
+    }
+
+    /// The store's resource limiter, for `Store::limiter`.
+    pub(crate) fn limits(&mut self) -> &mut dyn ResourceLimiter {
+        &mut self.limits
     }
 }
 
@@ -575,21 +607,15 @@ impl Engine {
         if let Some(inst) = idle {
             return Ok(inst);
         }
-        let state = HostState {
-            storage: self.shared.storage.clone(),
-            clock: self.shared.clock.clone(),
-            results: self.shared.results.clone(),
-            limits: GuestLimits {
-                memory: self.shared.memory_limit,
-            },
-            budget: GuestBudget {
-                deadline: self.shared.guest_deadline,
-                started: Instant::now(),
-                in_host: Duration::ZERO,
-            },
-        };
+        let mut state = HostState::new(
+            self.shared.storage.clone(),
+            self.shared.clock.clone(),
+            self.shared.memory_limit,
+            self.shared.guest_deadline,
+        );
+        state.results = self.shared.results.clone();
         let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
-        store.limiter(|state| &mut state.limits);
+        store.limiter(|state| state.limits());
         // Reached every `ticks(remaining)`: stop the guest once it has used
         // its budget, else wait for the rest of it. Time in host imports
         // passes the epoch on but is given back here.

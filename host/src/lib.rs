@@ -30,6 +30,8 @@ pub mod api;
 mod bindings;
 pub mod clock;
 pub mod engine;
+#[cfg(feature = "middleware")]
+pub mod middleware;
 pub mod proxy;
 pub mod store;
 pub mod types;

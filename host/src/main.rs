@@ -88,6 +88,39 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Write the embedded middleware component (the engine plus a
+    /// `wasi:http` handler that wraps another) to a file, and print its
+    /// SHA-256.
+    #[cfg(feature = "middleware")]
+    MiddlewareWasm {
+        /// Where to write the component.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Plug a `wasi:http` handler component into the middleware (as `wac
+    /// plug` does): the result serves the handler with idempotency.
+    #[cfg(feature = "middleware")]
+    Compose {
+        /// The handler component: exports `wasi:http/incoming-handler@0.2.x`.
+        #[arg(long)]
+        handler: PathBuf,
+        /// Where to write the composed component.
+        #[arg(long)]
+        out: PathBuf,
+        /// A middleware component to use instead of the embedded one.
+        #[arg(long)]
+        middleware: Option<PathBuf>,
+    },
+    /// Serve a composed middleware component over HTTP, with --db as its
+    /// store (`wasmtime serve` cannot: it does not supply idem's imports).
+    #[cfg(feature = "middleware")]
+    ServeComponent {
+        /// The composed component (see `idem compose`).
+        component: PathBuf,
+        /// The address to listen on (port 0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+    },
 }
 
 fn main() -> Result<()> {
@@ -136,7 +169,28 @@ fn main() -> Result<()> {
             let report = engine.reconcile(biz, &policy, *limit)?;
             print_reconcile(cli.json, biz, &report)
         }
-        Command::GuestWasm { out } => write_guest(out),
+        Command::GuestWasm { out } => write_wasm(idem::engine::DEFAULT_GUEST, out),
+        #[cfg(feature = "middleware")]
+        Command::MiddlewareWasm { out } => write_wasm(idem::middleware::MIDDLEWARE_GUEST, out),
+        #[cfg(feature = "middleware")]
+        Command::Compose {
+            handler,
+            out,
+            middleware,
+        } => {
+            let read =
+                |p: &Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
+            let middleware = match middleware {
+                Some(path) => read(path)?,
+                None => idem::middleware::MIDDLEWARE_GUEST.to_vec(),
+            };
+            let composed = idem::middleware::compose(&middleware, &read(handler)?)?;
+            write_wasm(&composed, out)
+        }
+        #[cfg(feature = "middleware")]
+        Command::ServeComponent { component, listen } => {
+            run_serve_component(&cli, component, listen)
+        }
         Command::Stats => {
             let counts = open(&cli)?.shared().count_by_status()?;
             print_stats(cli.json, &counts)
@@ -144,10 +198,10 @@ fn main() -> Result<()> {
     }
 }
 
-/// Writes [`idem::engine::DEFAULT_GUEST`] to `out` and prints its digest, so
-/// that hosts in other languages load the very bytes the Rust host runs.
-fn write_guest(out: &Path) -> Result<()> {
-    let wasm = idem::engine::DEFAULT_GUEST;
+/// Writes a component (such as [`idem::engine::DEFAULT_GUEST`]) to `out`
+/// and prints its digest, so that hosts in other languages load the very
+/// bytes the Rust host runs.
+fn write_wasm(wasm: &[u8], out: &Path) -> Result<()> {
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the directory {}", dir.display()))?;
@@ -266,6 +320,33 @@ fn run_serve(
     // Dropping the runtime waits for engine calls still running on blocking
     // threads: each is finished, none is cut half-way.
     runtime.block_on(serve_until_signal(proxy, listen, admin))
+}
+
+#[cfg(feature = "middleware")]
+fn run_serve_component(cli: &Cli, component: &Path, listen: &str) -> Result<()> {
+    let wasm =
+        std::fs::read(component).with_context(|| format!("cannot read {}", component.display()))?;
+    let store = open(cli)?.shared();
+    let clock: Arc<dyn idem::Clock> = Arc::new(idem::SystemClock::new());
+    let server = idem::middleware::ComponentServer::new(&wasm, store, clock)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let signals = Signals::install()?;
+        let listener = TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on --listen {listen}"))?;
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "idem listening on http://{}", listener.local_addr()?)?;
+            out.flush()?;
+        }
+        serve(listener, server.router(), signals.recv()).await?;
+        tracing::info!("stopped");
+        Ok(())
+    })
 }
 
 async fn serve_until_signal(proxy: Proxy, listen: &str, admin: Option<&str>) -> Result<()> {

@@ -164,74 +164,93 @@ impl Serve {
         if self.admin {
             cmd.args(["--admin", "127.0.0.1:0"]);
         }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("spawning {}", bin.display()))?;
-        let stdout = child.stdout.take().context("stdout")?;
-        let stderr = StderrSink::new(child.stderr.take().context("stderr")?);
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        let all = Arc::clone(&lines);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                all.lock().unwrap().push(line.clone());
-                // Once nobody listens any more, keep draining the pipe.
-                let _ = tx.send(line);
+        start(cmd, self.admin)
+    }
+}
+
+/// `idem serve-component COMPONENT --listen 127.0.0.1:0 --db DB`: serves a
+/// composed middleware component; waits for its listening line.
+pub fn serve_component(component: &Path, db: &Path) -> Result<Proxy> {
+    let mut cmd = Command::new(idem_bin()?);
+    cmd.arg("serve-component")
+        .arg(component)
+        .args(["--listen", "127.0.0.1:0"])
+        .arg("--db")
+        .arg(db);
+    start(cmd, false)
+}
+
+/// Spawns `cmd` (an `idem` server) and waits for its `idem listening on`
+/// line (and `idem admin on` line when `admin`).
+fn start(mut cmd: Command, admin: bool) -> Result<Proxy> {
+    let bin = PathBuf::from(cmd.get_program());
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {}", bin.display()))?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let stderr = StderrSink::new(child.stderr.take().context("stderr")?);
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let (tx, rx) = mpsc::channel();
+    let all = Arc::clone(&lines);
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            all.lock().unwrap().push(line.clone());
+            // Once nobody listens any more, keep draining the pipe.
+            let _ = tx.send(line);
+        }
+    });
+    let mut proxy = Proxy {
+        child,
+        pid: 0,
+        base: String::new(),
+        admin: None,
+        stdout: lines,
+        stderr,
+        exited: None,
+    };
+    proxy.pid = proxy.child.id();
+    let deadline = Instant::now() + STARTUP;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(url) = line.strip_prefix("idem admin on ") {
+                    proxy.admin = Some(url.trim().to_string());
+                } else if let Some(url) = line.strip_prefix("idem listening on ") {
+                    proxy.base = url.trim().to_string();
+                    break;
+                }
             }
-        });
-        let mut proxy = Proxy {
-            child,
-            pid: 0,
-            base: String::new(),
-            admin: None,
-            stdout: lines,
-            stderr,
-            exited: None,
-        };
-        proxy.pid = proxy.child.id();
-        let deadline = Instant::now() + STARTUP;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(url) = line.strip_prefix("idem admin on ") {
-                        proxy.admin = Some(url.trim().to_string());
-                    } else if let Some(url) = line.strip_prefix("idem listening on ") {
-                        proxy.base = url.trim().to_string();
-                        break;
-                    }
-                }
-                Err(e) => {
-                    let _ = proxy.child.kill();
-                    let status = proxy.child.wait().ok();
-                    let err = proxy.stderr.finish();
-                    bail!(
-                        "idem serve printed no listening line ({e}); exit {status:?}; \
-                         stdout {:?}; stderr:\n{err}",
-                        proxy.stdout.lock().unwrap()
-                    );
-                }
+            Err(e) => {
+                let _ = proxy.child.kill();
+                let status = proxy.child.wait().ok();
+                let err = proxy.stderr.finish();
+                bail!(
+                    "idem serve printed no listening line ({e}); exit {status:?}; \
+                     stdout {:?}; stderr:\n{err}",
+                    proxy.stdout.lock().unwrap()
+                );
             }
         }
-        ensure!(
-            proxy.base.starts_with("http://127.0.0.1:"),
-            "listening on {:?}",
-            proxy.base
-        );
-        ensure!(
-            !self.admin || proxy.admin.is_some(),
-            "--admin given but no `idem admin on` line before the listening line"
-        );
-        ensure!(
-            self.admin || proxy.admin.is_none(),
-            "an admin line without --admin"
-        );
-        Ok(proxy)
     }
+    ensure!(
+        proxy.base.starts_with("http://127.0.0.1:"),
+        "listening on {:?}",
+        proxy.base
+    );
+    ensure!(
+        !admin || proxy.admin.is_some(),
+        "--admin given but no `idem admin on` line before the listening line"
+    );
+    ensure!(
+        admin || proxy.admin.is_none(),
+        "an admin line without --admin"
+    );
+    Ok(proxy)
 }
 
 /// A running `idem serve`. Dropping it kills it (SIGKILL) and prints its
