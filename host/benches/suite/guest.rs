@@ -62,7 +62,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     let reps = settings.guest_reps;
     println!("\nguest cost (in-memory store), {reps} repetitions: median and p99 in µs");
     println!("{:<44} {:>9} {:>9}", "what", "p50 us", "p99 us");
-    let mut line = |report: &mut Report, what: String, (p50, p99): (f64, f64)| {
+    let line = |report: &mut Report, what: String, (p50, p99): (f64, f64)| {
         println!("{what:<44} {p50:>9.1} {p99:>9.1}");
         report.add(json!({"section": "guest", "what": what, "p50_us": p50, "p99_us": p99}));
     };
@@ -76,14 +76,15 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
             if raw && size != 64 * 1024 {
                 continue;
             }
-            let key = RecordKey::new("bench", "guest", format!("{label}-{raw}"));
+            let key = RecordKey::new("bench", "guest", format!("{size}-{raw}"));
             let req = if raw {
                 BeginRequest::raw(key, body.as_bytes(), policy.clone())
             } else {
                 BeginRequest::json(key, body.as_bytes(), policy.clone())
             };
-            let Decision::Execute(t) = engine.begin(&req)? else {
-                bail!("the first begin of {label} did not execute");
+            let t = match engine.begin(&req)? {
+                Decision::Execute(t) => t,
+                other => bail!("the first begin of {label} decided {other:?}"),
             };
             engine.complete(&t, &req.policy, &Success::with_ref("r"))?;
             let timed = time(reps, || match engine.begin(&req)? {

@@ -52,7 +52,7 @@ fn main() -> Result<()> {
     let mut settings = Settings::full();
     let mut only: Option<Vec<String>> = None;
     let mut threads = None;
-    let mut extra_sizes = Vec::new();
+    let mut extra_sizes: Vec<u64> = Vec::new();
     let mut out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
     while let Some(arg) = args.next() {
         match arg.as_str() {

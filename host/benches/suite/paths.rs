@@ -55,17 +55,20 @@ fn measure(
          medians over rounds, latencies over all operations",
         settings.rounds, settings.ops
     ));
-    let key = |path, who, r, t, i| key_for(path, who, r, t, i, stored);
+    // New keys name the run (side and thread count), so runs never collide.
+    let key = |path, who: &str, threads: usize, r, t, i| {
+        key_for(path, &format!("{who}{threads}"), r, t, i, stored)
+    };
     for path in Path::ALL {
         for &threads in &settings.threads {
             let (mut b, mut e) = (Samples::default(), Samples::default());
             for r in 0..settings.rounds {
                 round(threads, settings.ops, &mut b, |t, i| {
-                    lock(&bare[t])?.op(path, &key(path, "bare", r, t, i))
+                    lock(&bare[t])?.op(path, &key(path, "bare", threads, r, t, i))
                 })
                 .context("bare SQL")?;
                 round(threads, settings.ops, &mut e, |t, i| {
-                    engine_op(engine, path, &key(path, "idem", r, t, i))
+                    engine_op(engine, path, &key(path, "idem", threads, r, t, i))
                 })
                 .context("engine")?;
             }

@@ -151,7 +151,10 @@ fn measure(
         engine_op(&engine, Path::NewKey, &stored_key(i))?;
         lock(0)?.op(Path::NewKey, &stored_key(i))?;
     }
-    let key = |path, who, r, t, i| key_for(path, who, r, t, i, stored);
+    // New keys name the run (side and thread count), so runs never collide.
+    let key = |path, who: &str, threads: usize, r, t, i| {
+        key_for(path, &format!("{who}{threads}"), r, t, i, stored)
+    };
     Report::compared_header(&format!(
         "PostgreSQL, engine against bare SQL: {} rounds x {} operations per thread",
         settings.rounds, settings.ops
@@ -161,11 +164,11 @@ fn measure(
             let (mut b, mut e) = (Samples::default(), Samples::default());
             for r in 0..settings.rounds {
                 round(threads, settings.ops, &mut b, |t, i| {
-                    lock(t)?.op(path, &key(path, "bare", r, t, i))
+                    lock(t)?.op(path, &key(path, "bare", threads, r, t, i))
                 })
                 .context("bare SQL")?;
                 round(threads, settings.ops, &mut e, |t, i| {
-                    engine_op(&engine, path, &key(path, "idem", r, t, i))
+                    engine_op(&engine, path, &key(path, "idem", threads, r, t, i))
                 })
                 .context("engine")?;
             }

@@ -61,13 +61,20 @@ struct Load {
     p99_us: f64,
 }
 
-fn wrk(script: &std::path::Path, addr: SocketAddr, seconds: u32, mode: &str, run: &str) -> Result<Load> {
+/// Runs wrk for `seconds` with `connections` connections.
+fn wrk(
+    script: &std::path::Path,
+    addr: SocketAddr,
+    (seconds, connections): (u32, u32),
+    mode: &str,
+    run: &str,
+) -> Result<Load> {
     let out = Command::new("wrk")
         .args([
             "-t",
-            &WRK_THREADS.to_string(),
+            &WRK_THREADS.min(connections).to_string(),
             "-c",
-            &CONNECTIONS.to_string(),
+            &connections.to_string(),
             "-d",
             &format!("{seconds}s"),
             "-s",
@@ -168,10 +175,12 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     let up = upstream(&runtime)?;
     let (_serve, proxied) = serve(&dir.path().join("idem.db"), up)?;
     let secs = settings.proxy_seconds;
-    // The replayed key, completed once; and a warm-up of every kind.
-    wrk(&script, proxied, 1, "fixed", "warm")?;
-    wrk(&script, proxied, 1, "new", "warm")?;
-    wrk(&script, up, 1, "new", "warm")?;
+    // The replayed key, completed by one connection before 32 replay it
+    // (32 at once on a new key would be told it is in progress); and a
+    // warm-up of every kind.
+    wrk(&script, proxied, (1, 1), "fixed", "warm")?;
+    wrk(&script, proxied, (1, CONNECTIONS), "new", "warm")?;
+    wrk(&script, up, (1, CONNECTIONS), "new", "warm")?;
     let kinds: [(&str, SocketAddr, &str); 4] = [
         ("direct, new keys", up, "new"),
         ("proxy, first requests", proxied, "new"),
@@ -182,7 +191,13 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
     for r in 0..rounds {
         for (k, (_, addr, mode)) in kinds.iter().enumerate() {
-            results[k].push(wrk(&script, *addr, secs, mode, &format!("r{r}k{k}"))?);
+            results[k].push(wrk(
+                &script,
+                *addr,
+                (secs, CONNECTIONS),
+                mode,
+                &format!("r{r}k{k}"),
+            )?);
         }
     }
     println!(
