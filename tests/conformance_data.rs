@@ -23,8 +23,8 @@ use idem::{
     BeginRequest, BodyKind, Completion, Decision, Disposition, Engine, Error, ExpiredLease,
     Extension, Failure, FailureMode, FaultKind, InProgressMode, InputField, InputRule, KeyCharset,
     KeyFormat, KeyStatus, ManualClock, MemoryStore, Policy, ReconcileReport, RecordKey,
-    SqliteStore, Status, Storage, StoreError, StoredRecord, StoredResponse, Success,
-    SwapOutcome, Ticket, WaitSpec,
+    SqliteStore, Status, Storage, StoreError, StoredRecord, StoredResponse, Success, SwapOutcome,
+    Ticket, WaitSpec,
 };
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};

@@ -9,8 +9,8 @@ mod options;
 
 use anyhow::{Context, Result, bail, ensure};
 use idem::{
-    BeginRequest, Decision, Engine, ExpiredLease, ManualClock, Policy, RecordKey,
-    SqliteStore, StoreError, Success,
+    BeginRequest, Decision, Engine, ExpiredLease, ManualClock, Policy, RecordKey, SqliteStore,
+    StoreError, Success,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_idem-test-worker");

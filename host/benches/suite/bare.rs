@@ -89,8 +89,13 @@ impl Bare {
                 ensure!(row.is_some(), "stored key {key:?} missing");
                 if let Some(row) = row {
                     // Read every column, as the store decodes the record.
-                    let _: (i64, String, String, String, String) =
-                        (row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?);
+                    let _: (i64, String, String, String, String) = (
+                        row.get(0)?,
+                        row.get(1)?,
+                        row.get(2)?,
+                        row.get(3)?,
+                        row.get(4)?,
+                    );
                     let _: (i64, String, i64, i64, i64, Option<i64>) = (
                         row.get(5)?,
                         row.get(6)?,

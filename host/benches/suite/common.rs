@@ -112,7 +112,14 @@ pub const STORED_KEYS: usize = 2_000;
 /// The key thread `t` uses for operation `i` of `round`: a new key (`who`
 /// keeps the keys of different runs apart), or one of the first `stored`
 /// stored keys.
-pub fn key_for(path: Path, who: &str, round: usize, t: usize, i: usize, stored: usize) -> RecordKey {
+pub fn key_for(
+    path: Path,
+    who: &str,
+    round: usize,
+    t: usize,
+    i: usize,
+    stored: usize,
+) -> RecordKey {
     match path {
         Path::NewKey => RecordKey::new("bench", "order.create", format!("{who}-{round}-{t}-{i}")),
         Path::Replay | Path::Mismatch => stored_key((t * 7919 + i) % stored.max(1)),

@@ -43,7 +43,11 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         let (mut s_off, mut s_on) = (Samples::default(), Samples::default());
         for r in 0..settings.rounds {
             round(callers, ops, &mut s_off, |t, i| {
-                engine_op(&off, Path::NewKey, &key_for(Path::NewKey, "off", r, t, i, 0))
+                engine_op(
+                    &off,
+                    Path::NewKey,
+                    &key_for(Path::NewKey, "off", r, t, i, 0),
+                )
             })
             .context("group commit off")?;
             round(callers, ops, &mut s_on, |t, i| {

@@ -91,8 +91,16 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
                 Decision::Replay(_) => Ok(()),
                 other => bail!("unexpected decision {}", other.name()),
             })?;
-            let kind = if raw { "raw, hashed only" } else { "json, canonical" };
-            line(report, format!("begin (replay), {label} body, {kind}"), timed);
+            let kind = if raw {
+                "raw, hashed only"
+            } else {
+                "json, canonical"
+            };
+            line(
+                report,
+                format!("begin (replay), {label} body, {kind}"),
+                timed,
+            );
         }
     }
     let call = time(reps, || engine.sweep(0).map(drop).map_err(Into::into))?;

@@ -53,7 +53,8 @@ fn main() -> Result<()> {
     let mut only: Option<Vec<String>> = None;
     let mut threads = None;
     let mut extra_sizes: Vec<u64> = Vec::new();
-    let mut out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
+    let mut out =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => settings = Settings::quick(),
@@ -63,9 +64,14 @@ fn main() -> Result<()> {
                 only = Some(v.split(',').map(str::to_owned).collect());
             }
             "--threads" => {
-                threads = Some(list(&args.next().context("--threads takes a list")?, "--threads")?)
+                threads = Some(list(
+                    &args.next().context("--threads takes a list")?,
+                    "--threads",
+                )?)
             }
-            "--scale" => extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?,
+            "--scale" => {
+                extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?
+            }
             "--out" => out = args.next().context("--out takes a file")?.into(),
             // What `cargo bench` and `cargo test` pass to every bench target.
             "--bench" | "--nocapture" => {}

@@ -38,7 +38,8 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
 }
 
 fn lock(m: &Mutex<Bare>) -> Result<std::sync::MutexGuard<'_, Bare>> {
-    m.lock().map_err(|_| anyhow!("a baseline connection was poisoned"))
+    m.lock()
+        .map_err(|_| anyhow!("a baseline connection was poisoned"))
 }
 
 /// Measures every path at every thread count; `stored` keys exist.

@@ -88,7 +88,12 @@ fn wrk(
     let line = text
         .lines()
         .find_map(|l| l.strip_prefix("IDEM-RESULT "))
-        .ok_or_else(|| anyhow!("wrk printed no result: {text} {}", String::from_utf8_lossy(&out.stderr)))?;
+        .ok_or_else(|| {
+            anyhow!(
+                "wrk printed no result: {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
     let v: Vec<f64> = line
         .split_whitespace()
         .map(|x| x.parse::<f64>())
@@ -204,7 +209,10 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         "\nproxy: wrk, {CONNECTIONS} connections, {rounds} rounds x {secs} s per kind, \
          medians over rounds"
     );
-    println!("{:<24} {:>9} {:>9} {:>9}", "kind", "req/s", "p50 us", "p99 us");
+    println!(
+        "{:<24} {:>9} {:>9} {:>9}",
+        "kind", "req/s", "p50 us", "p99 us"
+    );
     let mut p50s = Vec::new();
     for ((name, _, _), loads) in kinds.iter().zip(&results) {
         let rps = median(&loads.iter().map(|l| l.rps).collect::<Vec<_>>());

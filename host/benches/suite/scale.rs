@@ -48,7 +48,12 @@ fn fill(path: &FsPath, from: u64, to: u64, fingerprint: &str, expires_at: i64) -
                  'order-1')",
             )?;
             for i in at..end {
-                stmt.execute(params![format!("fill-{i:010}"), fingerprint, now, expires_at])?;
+                stmt.execute(params![
+                    format!("fill-{i:010}"),
+                    fingerprint,
+                    now,
+                    expires_at
+                ])?;
             }
         }
         tx.commit()?;
@@ -91,7 +96,13 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     let mut filled = 0;
     let mut rng = Rng::new(42);
     for &size in &settings.scale_sizes {
-        fill(&path, filled, size, &fingerprint, now_ms() + 30 * 86_400_000)?;
+        fill(
+            &path,
+            filled,
+            size,
+            &fingerprint,
+            now_ms() + 30 * 86_400_000,
+        )?;
         filled = size;
         let (mut new, mut replay, mut select) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..n {
@@ -118,9 +129,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         let (n50, n99) = p50_p99(new);
         let (r50, r99) = p50_p99(replay);
         let (s50, s99) = p50_p99(select);
-        println!(
-            "{size:>12}  {n50:>9.1} {n99:>9.1}  {r50:>9.1} {r99:>9.1}  {s50:>9.1} {s99:>9.1}"
-        );
+        println!("{size:>12}  {n50:>9.1} {n99:>9.1}  {r50:>9.1} {r99:>9.1}  {s50:>9.1} {s99:>9.1}");
         report.add(json!({
             "section": "scale", "records": size,
             "new_key_begin_p50_us": n50, "new_key_begin_p99_us": n99,
@@ -147,10 +156,15 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     }
     let secs = at.elapsed().as_secs_f64();
     if deleted != settings.sweep_records {
-        bail!("sweep deleted {deleted} of {} records", settings.sweep_records);
+        bail!(
+            "sweep deleted {deleted} of {} records",
+            settings.sweep_records
+        );
     }
     let rate = deleted as f64 / secs;
-    println!("sweep: {deleted} expired records in {secs:.2} s, {rate:.0} records/s (batches of {SWEEP_BATCH})");
+    println!(
+        "sweep: {deleted} expired records in {secs:.2} s, {rate:.0} records/s (batches of {SWEEP_BATCH})"
+    );
     report.add(json!({
         "section": "sweep", "records": deleted, "seconds": secs, "records_per_s": rate,
         "batch": SWEEP_BATCH,

@@ -761,7 +761,10 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
 
 /// Inserts `candidate` unless its key is taken: the inserted record, or
 /// none when the key is taken (nothing written).
-fn try_insert(conn: &Connection, candidate: &StoredRecord) -> Result<Option<StoredRecord>, StoreError> {
+fn try_insert(
+    conn: &Connection,
+    candidate: &StoredRecord,
+) -> Result<Option<StoredRecord>, StoreError> {
     let row = EncodedRecord::new(candidate)?;
     let mut stmt = conn.prepare_cached(SQL_INSERT).map_err(map_err)?;
     let id: Option<i64> = stmt
@@ -1173,8 +1176,7 @@ impl GroupCommit {
                 // unwinding. The transaction was rolled back on unwind.
                 for slot in &slots {
                     slot.set(SlotState::Done(Err(StoreError::Internal(
-                        "a panic interrupted the group commit; nothing of it was stored"
-                            .to_owned(),
+                        "a panic interrupted the group commit; nothing of it was stored".to_owned(),
                     ))));
                 }
                 std::panic::resume_unwind(panic);
