@@ -507,12 +507,6 @@ impl Storage for SqliteStore {
                 )),
             };
         }
-        // A new key is one statement, atomic by itself: no transaction
-        // around it. A taken key is read in a transaction with a second
-        // insert, so that the record comes back as it was when refused.
-        if let Some(inserted) = self.single(|conn| try_insert(conn, candidate))? {
-            return Ok(InsertOutcome::Inserted(inserted));
-        }
         self.write(|conn| insert_if_absent(conn, candidate))
     }
 
@@ -536,11 +530,6 @@ impl Storage for SqliteStore {
                     "group commit answered a swap with an insert".to_owned(),
                 )),
             };
-        }
-        // A swap that matches is one statement; one that does not is read
-        // again in a transaction, to return the record that refused it.
-        if self.single(|conn| try_swap(conn, expected_revision, replacement))? {
-            return Ok(SwapOutcome::Swapped);
         }
         self.write(|conn| compare_and_swap(conn, expected_revision, replacement))
     }
@@ -760,7 +749,8 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
 // (SqliteTransaction).
 
 /// Inserts `candidate` unless its key is taken: the inserted record, or
-/// none when the key is taken (nothing written).
+/// none when the key is taken (nothing written). Run inside a transaction
+/// by [`insert_if_absent`].
 fn try_insert(
     conn: &Connection,
     candidate: &StoredRecord,
@@ -1084,7 +1074,7 @@ enum SlotState {
     Waiting,
     /// The previous leader handed the queue to this caller.
     Lead,
-    Done(Result<GroupDone, StoreError>),
+    Done(Box<Result<GroupDone, StoreError>>),
 }
 
 /// One waiting caller: its state and the signal that it changed.
@@ -1155,7 +1145,7 @@ impl GroupCommit {
             !std::mem::replace(&mut queue.leading, true)
         };
         if !lead && let SlotState::Done(result) = slot.wait() {
-            return result;
+            return *result;
         }
         // This caller leads; its own write is still queued (only a leader
         // takes writes off the queue), so the batch below answers it.
@@ -1175,18 +1165,18 @@ impl GroupCommit {
                 // Nobody may wait forever: answer everyone, then go on
                 // unwinding. The transaction was rolled back on unwind.
                 for slot in &slots {
-                    slot.set(SlotState::Done(Err(StoreError::Internal(
+                    slot.set(SlotState::Done(Box::new(Err(StoreError::Internal(
                         "a panic interrupted the group commit; nothing of it was stored".to_owned(),
-                    ))));
+                    )))));
                 }
                 std::panic::resume_unwind(panic);
             }
         };
         for (slot, result) in slots.iter().zip(results) {
-            slot.set(SlotState::Done(result));
+            slot.set(SlotState::Done(Box::new(result)));
         }
         match slot.wait() {
-            SlotState::Done(result) => result,
+            SlotState::Done(result) => *result,
             _ => Err(StoreError::Internal(
                 "group commit lost this caller's answer".to_owned(),
             )),
