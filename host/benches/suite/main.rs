@@ -16,8 +16,9 @@
 //! Every ratio pairs idem with its baseline in the same run, alternating
 //! round by round, because shared machines are noisy.
 //!
-//! Run with `cargo bench -p idem --bench suite` (about ten minutes);
-//! `-- --quick` is shorter, `-- --smoke` is the CI check (seconds);
+//! Run with `cargo bench -p idem --bench suite` (5 rounds x 2 000
+//! operations; not yet timed on the 2-vCPU machine); `-- --quick` is
+//! shorter (about three minutes there), `-- --smoke` is the CI check (seconds);
 //! `--only paths,guest` picks parts, `--threads 1,8` the thread counts,
 //! `--scale 10000000` adds a table size. The table is printed and the
 //! figures are written to `target/idem-bench.json`.
