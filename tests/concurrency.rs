@@ -4,6 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
+#[path = "support/options.rs"]
+mod options;
+
 use anyhow::{Result, ensure};
 use idem::{
     ActionResult, BeginRequest, Decision, Engine, Policy, RecordKey, RunOutcome, SqliteOptions,
@@ -34,7 +37,7 @@ fn eight_threads_one_thousand_keys_execute_once_each() -> Result<()> {
             // One connection per thread: nothing in-process can arbitrate.
             let options = SqliteOptions {
                 pool_size: 1,
-                ..SqliteOptions::default()
+                ..options::sqlite_options()
             };
             let store = SqliteStore::open(&db, options)?;
             let engine = Engine::builder().storage(store).build()?;
@@ -97,7 +100,7 @@ fn eight_threads_one_thousand_keys_execute_once_each() -> Result<()> {
 fn one_shared_engine_across_threads_executes_once_per_key() -> Result<()> {
     const SHARED_KEYS: usize = 300;
     let dir = tempfile::tempdir()?;
-    let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())?;
+    let store = SqliteStore::open(dir.path().join("idem.db"), options::sqlite_options())?;
     let engine = Engine::builder().storage(store).build()?;
     let barrier = Arc::new(Barrier::new(THREADS));
     let per_key: Arc<Vec<AtomicU64>> =

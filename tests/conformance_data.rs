@@ -14,14 +14,17 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+#[path = "support/options.rs"]
+mod options;
+
 use anyhow::{Context, Result, anyhow, bail};
 use idem::store::memory::Op;
 use idem::{
     BeginRequest, BodyKind, Completion, Decision, Disposition, Engine, Error, ExpiredLease,
     Extension, Failure, FailureMode, FaultKind, InProgressMode, InputField, InputRule, KeyCharset,
     KeyFormat, KeyStatus, ManualClock, MemoryStore, Policy, ReconcileReport, RecordKey,
-    SqliteOptions, SqliteStore, Status, Storage, StoreError, StoredRecord, StoredResponse, Success,
-    SwapOutcome, Ticket, WaitSpec,
+    SqliteStore, Status, Storage, StoreError, StoredRecord, StoredResponse, Success, SwapOutcome,
+    Ticket, WaitSpec,
 };
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
@@ -119,7 +122,7 @@ impl Harness for SqliteHarness {
     }
     fn fresh(&self) -> Result<Arc<dyn Fixture>> {
         let dir = tempfile::tempdir()?;
-        let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())?;
+        let store = SqliteStore::open(dir.path().join("idem.db"), options::sqlite_options())?;
         Ok(Arc::new(SqliteFixture {
             store: Faulty::new(store),
             _dir: dir,

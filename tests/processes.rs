@@ -4,10 +4,13 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdout, Command, Stdio};
 
+#[path = "support/options.rs"]
+mod options;
+
 use anyhow::{Context, Result, bail, ensure};
 use idem::{
-    BeginRequest, Decision, Engine, ExpiredLease, ManualClock, Policy, RecordKey, SqliteOptions,
-    SqliteStore, StoreError, Success,
+    BeginRequest, Decision, Engine, ExpiredLease, ManualClock, Policy, RecordKey, SqliteStore,
+    StoreError, Success,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_idem-test-worker");
@@ -86,7 +89,7 @@ fn kill_holder(db: &str, k: &str, mode: &str) -> Result<String> {
 }
 
 fn survivor(db: &std::path::Path, expired_lease: ExpiredLease) -> Result<(Engine, Policy)> {
-    let store = SqliteStore::open(db, SqliteOptions::default())?;
+    let store = SqliteStore::open(db, options::sqlite_options())?;
     let lookup_db = db.to_path_buf();
     let engine = Engine::builder()
         .storage(store)
@@ -153,7 +156,7 @@ fn killed_inside_business_transaction_leaves_nothing_half_written() -> Result<()
     let dir = tempfile::tempdir()?;
     let db = dir.path().join("idem.db");
     ensure!(kill_holder(db.to_str().context("path")?, "k1", "in-tx")? == "holding true");
-    let store = SqliteStore::open(&db, SqliteOptions::default())?;
+    let store = SqliteStore::open(&db, options::sqlite_options())?;
     ensure!(store.integrity_check()?, "integrity_check after SIGKILL");
     ensure!(
         orders(&db, "k1")? == 0,

@@ -6,9 +6,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+#[path = "../support/options.rs"]
+mod options;
+
 use idem::{
     BeginRequest, Engine, ManualClock, MemoryStore, Policy, PostgresOptions, PostgresStore,
-    RecordKey, SqliteOptions, SqliteStore, StoreError,
+    RecordKey, SqliteStore, StoreError,
 };
 
 /// The start of every test's virtual time: 2026-01-01T00:00:00Z.
@@ -139,7 +142,7 @@ impl Harness {
 
     pub fn sqlite() -> anyhow::Result<Harness> {
         let dir = tempfile::tempdir()?;
-        let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())?;
+        let store = SqliteStore::open(dir.path().join("idem.db"), options::sqlite_options())?;
         Self::with(Backend::Sqlite(store.clone(), dir), store)
     }
 

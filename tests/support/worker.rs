@@ -26,6 +26,9 @@
 
 use std::io::{BufRead, Write};
 
+#[path = "options.rs"]
+mod options;
+
 use anyhow::{Context, Result, bail};
 use idem::{
     ActionResult, BeginRequest, Decision, Disposition, Engine, ExpiredLease, Failure, ManualClock,
@@ -38,7 +41,7 @@ pub const BUSINESS_SCHEMA: &str =
     "CREATE TABLE IF NOT EXISTS orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)";
 
 fn engine(db: &str, clock: Option<ManualClock>) -> Result<(Engine, SqliteStore)> {
-    let store = SqliteStore::open(db, SqliteOptions::default())?;
+    let store = SqliteStore::open(db, options::sqlite_options())?;
     let tx = store.begin_transaction()?;
     tx.with_connection(|c| c.execute(BUSINESS_SCHEMA, []))??;
     tx.commit()?;

@@ -189,6 +189,17 @@ pub struct SqliteOptions {
     /// effect lives outside this database and cannot be rolled back with
     /// it).
     pub synchronous: Synchronous,
+    /// Group commit: claims and completions (`insert_if_absent` and
+    /// `compare_and_swap`) that wait at the same moment share one
+    /// transaction, written by whichever caller leads, and each caller is
+    /// answered only after that transaction commits. A failure anywhere in
+    /// the transaction fails every write in it with
+    /// [`StoreError::Unavailable`] (nothing of it is stored). Reads are not
+    /// grouped. Default off: with `synchronous=NORMAL` a commit costs no
+    /// fsync, and the suite measured no gain worth the hand-offs (see the
+    /// README's Performance section); it pays with [`Synchronous::Full`],
+    /// where every commit waits for the disk.
+    pub group_commit: bool,
 }
 
 impl Default for SqliteOptions {
@@ -197,6 +208,7 @@ impl Default for SqliteOptions {
             pool_size: 8,
             busy_timeout: Duration::from_secs(5),
             synchronous: Synchronous::Normal,
+            group_commit: false,
         }
     }
 }
@@ -350,6 +362,8 @@ type PooledConnection = r2d2::PooledConnection<ConnectionManager>;
 struct Inner {
     pool: Pool,
     path: PathBuf,
+    /// The write queue, when group commit is on.
+    group: Option<GroupCommit>,
 }
 
 /// The durable [`Storage`] backend: one SQLite database file in WAL mode.
@@ -410,7 +424,11 @@ impl SqliteStore {
             .build(manager)
             .map_err(map_pool_err)?;
         Ok(SqliteStore {
-            inner: Arc::new(Inner { pool, path }),
+            inner: Arc::new(Inner {
+                pool,
+                path,
+                group: options.group_commit.then(GroupCommit::default),
+            }),
         })
     }
 
@@ -481,6 +499,16 @@ impl SqliteStore {
 
 impl Storage for SqliteStore {
     fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
+        if let Some(group) = &self.inner.group {
+            // Bad values are refused here, for this caller alone.
+            EncodedRecord::new(candidate)?;
+            return match group.submit(self, GroupWrite::Insert(candidate.clone()))? {
+                GroupDone::Insert(outcome) => Ok(outcome),
+                GroupDone::Swap(_) => Err(StoreError::Internal(
+                    "group commit answered an insert with a swap".to_owned(),
+                )),
+            };
+        }
         self.write(|conn| insert_if_absent(conn, candidate))
     }
 
@@ -493,6 +521,18 @@ impl Storage for SqliteStore {
         expected_revision: u64,
         replacement: &StoredRecord,
     ) -> Result<SwapOutcome, StoreError> {
+        if let Some(group) = &self.inner.group {
+            EncodedRecord::new(replacement)?;
+            return match group.submit(
+                self,
+                GroupWrite::Swap(expected_revision, replacement.clone()),
+            )? {
+                GroupDone::Swap(outcome) => Ok(outcome),
+                GroupDone::Insert(_) => Err(StoreError::Internal(
+                    "group commit answered a swap with an insert".to_owned(),
+                )),
+            };
+        }
         self.write(|conn| compare_and_swap(conn, expected_revision, replacement))
     }
 
@@ -710,22 +750,35 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
 // whether they run in their own transaction (SqliteStore) or in an open one
 // (SqliteTransaction).
 
-fn insert_if_absent(
+/// Inserts `candidate` unless its key is taken: the inserted record, or
+/// none when the key is taken (nothing written). Run inside a transaction
+/// by [`insert_if_absent`].
+fn try_insert(
     conn: &Connection,
     candidate: &StoredRecord,
-) -> Result<InsertOutcome, StoreError> {
+) -> Result<Option<StoredRecord>, StoreError> {
     let row = EncodedRecord::new(candidate)?;
     let mut stmt = conn.prepare_cached(SQL_INSERT).map_err(map_err)?;
     let id: Option<i64> = stmt
         .query_row(row.params().as_slice(), |r| r.get(0))
         .optional()
         .map_err(map_err)?;
-    match id {
-        Some(id) => {
-            let mut inserted = candidate.clone();
-            inserted.id = to_u64(id, "id")?;
-            Ok(InsertOutcome::Inserted(inserted))
-        }
+    id.map(|id| {
+        let mut inserted = candidate.clone();
+        inserted.id = to_u64(id, "id")?;
+        Ok(inserted)
+    })
+    .transpose()
+}
+
+/// The whole `insert_if_absent`; inside a transaction, the existing
+/// record is read as it was when the insert was refused.
+fn insert_if_absent(
+    conn: &Connection,
+    candidate: &StoredRecord,
+) -> Result<InsertOutcome, StoreError> {
+    match try_insert(conn, candidate)? {
+        Some(inserted) => Ok(InsertOutcome::Inserted(inserted)),
         None => match get(conn, &candidate.key)? {
             Some(existing) => Ok(InsertOutcome::Existing(existing)),
             None => Err(StoreError::Internal(
@@ -746,25 +799,38 @@ fn get(conn: &Connection, key: &RecordKey) -> Result<Option<StoredRecord>, Store
     }
 }
 
+/// Replaces the record if its revision is `expected_revision`; false when
+/// it is not (nothing written).
+fn try_swap(
+    conn: &Connection,
+    expected_revision: u64,
+    replacement: &StoredRecord,
+) -> Result<bool, StoreError> {
+    let row = EncodedRecord::new(replacement)?;
+    // A revision or id SQLite cannot store is not stored: nothing matches it.
+    let (Ok(expected), Ok(id)) = (
+        i64::try_from(expected_revision),
+        i64::try_from(replacement.id),
+    ) else {
+        return Ok(false);
+    };
+    let mut params = row.params();
+    params.push(&expected);
+    params.push(&id);
+    let mut stmt = conn.prepare_cached(SQL_SWAP).map_err(map_err)?;
+    let changed = stmt.execute(params.as_slice()).map_err(map_err)?;
+    Ok(changed > 0)
+}
+
+/// The whole `compare_and_swap`; inside a transaction, a stale swap returns
+/// the record as it was when the swap was refused.
 fn compare_and_swap(
     conn: &Connection,
     expected_revision: u64,
     replacement: &StoredRecord,
 ) -> Result<SwapOutcome, StoreError> {
-    let row = EncodedRecord::new(replacement)?;
-    // A revision or id SQLite cannot store is not stored: nothing matches it.
-    if let (Ok(expected), Ok(id)) = (
-        i64::try_from(expected_revision),
-        i64::try_from(replacement.id),
-    ) {
-        let mut params = row.params();
-        params.push(&expected);
-        params.push(&id);
-        let mut stmt = conn.prepare_cached(SQL_SWAP).map_err(map_err)?;
-        let changed = stmt.execute(params.as_slice()).map_err(map_err)?;
-        if changed > 0 {
-            return Ok(SwapOutcome::Swapped);
-        }
+    if try_swap(conn, expected_revision, replacement)? {
+        return Ok(SwapOutcome::Swapped);
     }
     Ok(SwapOutcome::Stale(get(conn, &replacement.key)?))
 }
@@ -987,4 +1053,187 @@ fn decode_row(row: &rusqlite::Row<'_>) -> Result<StoredRecord, StoreError> {
         response: from_json::<StoredResponse>(column(row, 15)?, "response")?,
         failure: from_json::<Failure>(column(row, 16)?, "failure")?,
     })
+}
+
+// ---------------------------------------------------------------------------
+// Group commit.
+
+/// The most writes one group transaction carries: enough for every caller
+/// of a busy server to share one commit, few enough that one failure fails
+/// a bounded number of callers and the write lock is held briefly.
+const MAX_GROUP: usize = 64;
+
+/// A write waiting for a group transaction.
+enum GroupWrite {
+    Insert(StoredRecord),
+    Swap(u64, StoredRecord),
+}
+
+/// The answer to a [`GroupWrite`], given after the commit.
+enum GroupDone {
+    Insert(InsertOutcome),
+    Swap(SwapOutcome),
+}
+
+/// Where a waiting caller stands.
+enum SlotState {
+    Waiting,
+    /// The previous leader handed the queue to this caller.
+    Lead,
+    Done(Box<Result<GroupDone, StoreError>>),
+}
+
+/// One waiting caller: its state and the signal that it changed.
+struct Slot {
+    state: Mutex<SlotState>,
+    changed: std::sync::Condvar,
+}
+
+impl Slot {
+    fn set(&self, state: SlotState) {
+        *self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = state;
+        self.changed.notify_one();
+    }
+
+    /// Waits until the caller is answered or asked to lead.
+    fn wait(&self) -> SlotState {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        loop {
+            match std::mem::replace(&mut *state, SlotState::Waiting) {
+                SlotState::Waiting => {
+                    state = self
+                        .changed
+                        .wait(state)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct GroupQueue {
+    waiting: Vec<(GroupWrite, Arc<Slot>)>,
+    /// True while some caller leads: it alone takes writes off the queue.
+    leading: bool,
+}
+
+/// Leader-based group commit: the first caller to find no leader writes
+/// every queued write in one transaction, answers each caller after the
+/// commit, and hands the queue to the next waiting caller.
+#[derive(Default)]
+struct GroupCommit {
+    queue: Mutex<GroupQueue>,
+}
+
+impl GroupCommit {
+    fn lock(&self) -> MutexGuard<'_, GroupQueue> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn submit(&self, store: &SqliteStore, write: GroupWrite) -> Result<GroupDone, StoreError> {
+        let slot = Arc::new(Slot {
+            state: Mutex::new(SlotState::Waiting),
+            changed: std::sync::Condvar::new(),
+        });
+        let lead = {
+            let mut queue = self.lock();
+            queue.waiting.push((write, Arc::clone(&slot)));
+            !std::mem::replace(&mut queue.leading, true)
+        };
+        if !lead && let SlotState::Done(result) = slot.wait() {
+            return *result;
+        }
+        // This caller leads; its own write is still queued (only a leader
+        // takes writes off the queue), so the batch below answers it.
+        let batch: Vec<_> = {
+            let mut queue = self.lock();
+            let n = queue.waiting.len().min(MAX_GROUP);
+            queue.waiting.drain(..n).collect()
+        };
+        let handoff = Handoff(self);
+        let (writes, slots): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+        let results =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_group(store, &writes)));
+        drop(handoff);
+        let results = match results {
+            Ok(results) => results,
+            Err(panic) => {
+                // Nobody may wait forever: answer everyone, then go on
+                // unwinding. The transaction was rolled back on unwind.
+                for slot in &slots {
+                    slot.set(SlotState::Done(Box::new(Err(StoreError::Internal(
+                        "a panic interrupted the group commit; nothing of it was stored".to_owned(),
+                    )))));
+                }
+                std::panic::resume_unwind(panic);
+            }
+        };
+        for (slot, result) in slots.iter().zip(results) {
+            slot.set(SlotState::Done(Box::new(result)));
+        }
+        match slot.wait() {
+            SlotState::Done(result) => *result,
+            _ => Err(StoreError::Internal(
+                "group commit lost this caller's answer".to_owned(),
+            )),
+        }
+    }
+}
+
+/// Ends a leader's turn, even if the batch panicked: the next waiting
+/// caller leads, or nobody does while the queue is empty.
+struct Handoff<'a>(&'a GroupCommit);
+
+impl Drop for Handoff<'_> {
+    fn drop(&mut self) {
+        let mut queue = self.0.lock();
+        match queue.waiting.first() {
+            Some((_, next)) => next.set(SlotState::Lead),
+            None => queue.leading = false,
+        }
+    }
+}
+
+/// Writes `writes` in order in one `BEGIN IMMEDIATE … COMMIT`; every
+/// answer is given only once the commit succeeded. Any failure rolls the
+/// whole transaction back and fails every write with
+/// [`StoreError::Unavailable`].
+fn run_group(store: &SqliteStore, writes: &[GroupWrite]) -> Vec<Result<GroupDone, StoreError>> {
+    let attempt = || -> Result<Vec<GroupDone>, StoreError> {
+        store.write(|conn| {
+            writes
+                .iter()
+                .map(|w| match w {
+                    GroupWrite::Insert(candidate) => {
+                        insert_if_absent(conn, candidate).map(GroupDone::Insert)
+                    }
+                    GroupWrite::Swap(expected, replacement) => {
+                        compare_and_swap(conn, *expected, replacement).map(GroupDone::Swap)
+                    }
+                })
+                .collect()
+        })
+    };
+    match attempt() {
+        Ok(done) => done.into_iter().map(Ok).collect(),
+        Err(e) => writes
+            .iter()
+            .map(|_| {
+                Err(StoreError::Unavailable(format!(
+                    "the group commit of {} writes was rolled back: {e}",
+                    writes.len()
+                )))
+            })
+            .collect(),
+    }
 }

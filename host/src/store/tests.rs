@@ -99,6 +99,16 @@ fn sqlite_store() -> (tempfile::TempDir, SqliteStore) {
     (dir, store)
 }
 
+fn sqlite_group_store() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let options = SqliteOptions {
+        group_commit: true,
+        ..SqliteOptions::default()
+    };
+    let store = SqliteStore::open(dir.path().join("idem.db"), options).unwrap();
+    (dir, store)
+}
+
 /// A record with every optional field set, binary headers included.
 fn rich_record(key: RecordKey) -> StoredRecord {
     StoredRecord {
@@ -573,6 +583,18 @@ macro_rules! conformance {
                 #[test]
                 fn $name() {
                     let (_dir, store) = super::sqlite_store();
+                    super::$name(&store);
+                    assert!(store.integrity_check().unwrap());
+                }
+            )*
+        }
+
+        /// SQLite with group commit: every write goes through the queue.
+        mod sqlite_group_commit_backend {
+            $(
+                #[test]
+                fn $name() {
+                    let (_dir, store) = super::sqlite_group_store();
                     super::$name(&store);
                     assert!(store.integrity_check().unwrap());
                 }
@@ -1348,4 +1370,80 @@ fn memory_clones_share_records_and_snapshot_is_key_ordered() {
         .map(|r| r.key.idem_key)
         .collect();
     assert_eq!(keys, ["a", "b"]);
+}
+
+// ---------------------------------------------------------------------------
+// Group commit.
+
+/// Many threads claim the same keys and swap them at once through group
+/// commit: the unique constraint still lets exactly one claim per key win,
+/// every swap expecting the same revision but one is stale, and every
+/// answer matches what the database holds after the commits.
+#[test]
+fn group_commit_keeps_one_winner_per_key_under_concurrency() {
+    const THREADS: usize = 16;
+    const KEYS: usize = 50;
+    let (_dir, store) = sqlite_group_store();
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            thread::spawn(move || {
+                let (mut inserted, mut swapped) = (0, 0);
+                for k in 0..KEYS {
+                    barrier.wait();
+                    let mut c = candidate(key(&format!("k{k}")));
+                    c.fingerprint = format!("{t:064x}");
+                    let current = match store.insert_if_absent(&c).unwrap() {
+                        InsertOutcome::Inserted(r) => {
+                            inserted += 1;
+                            r
+                        }
+                        InsertOutcome::Existing(r) => r,
+                    };
+                    barrier.wait();
+                    let mut next = current.clone();
+                    next.revision = 2;
+                    next.result_ref = Some(format!("t{t}"));
+                    match store.compare_and_swap(1, &next).unwrap() {
+                        SwapOutcome::Swapped => swapped += 1,
+                        SwapOutcome::Stale(Some(r)) => assert_eq!(r.revision, 2),
+                        SwapOutcome::Stale(None) => panic!("the record vanished"),
+                    }
+                }
+                (inserted, swapped)
+            })
+        })
+        .collect();
+    let (mut inserted, mut swapped) = (0, 0);
+    for h in handles {
+        let (i, s) = h.join().unwrap();
+        inserted += i;
+        swapped += s;
+    }
+    assert_eq!(inserted, KEYS);
+    assert_eq!(swapped, KEYS);
+    assert!(store.integrity_check().unwrap());
+}
+
+/// A write that fails inside a group transaction fails as unavailable (as
+/// would every other write of its group) and stores nothing; the queue
+/// keeps working.
+#[test]
+fn group_commit_failure_is_unavailable_and_stores_nothing() {
+    let (_dir, store) = sqlite_group_store();
+    // A trigger makes one key's insert fail inside the transaction.
+    raw(&store)
+        .execute_batch(
+            "CREATE TRIGGER refuse BEFORE INSERT ON idempotency_record
+             WHEN NEW.idem_key = 'poison' BEGIN SELECT RAISE(ABORT, 'refused'); END;",
+        )
+        .unwrap();
+    match store.insert_if_absent(&candidate(key("poison"))) {
+        Err(StoreError::Unavailable(m)) => assert!(m.contains("rolled back"), "{m}"),
+        other => panic!("expected unavailable, got {other:?}"),
+    }
+    assert_eq!(store.get(&key("poison")).unwrap(), None);
+    let r = insert(&store, &candidate(key("fine")));
+    assert_eq!(store.get(&key("fine")).unwrap(), Some(r));
 }

@@ -1,0 +1,117 @@
+//! idem's benchmark suite: what idem costs against the bare SQL an
+//! idempotency check cannot avoid, and where the time goes.
+//!
+//! Parts (run in this order; `--only` picks some):
+//!
+//! - `paths`: the engine on SQLite against the bare-SQL baseline, new key,
+//!   replay and mismatch, at 1, 2 and 8 threads;
+//! - `group`: group commit on against off, 32 concurrent callers,
+//!   `synchronous=NORMAL` and `=FULL`;
+//! - `guest`: the guest's own cost: fingerprints of 200 B, 4 KiB and
+//!   64 KiB bodies, one host→guest call, one instantiation;
+//! - `scale`: `begin` latency against table size, sweep throughput;
+//! - `proxy`: `idem serve` under wrk against the upstream direct;
+//! - `pg`: the engine on PostgreSQL against bare SQL on the same server.
+//!
+//! Every ratio pairs idem with its baseline in the same run, alternating
+//! round by round, because shared machines are noisy.
+//!
+//! Run with `cargo bench -p idem --bench suite` (5 rounds x 2 000
+//! operations; not yet timed on the 2-vCPU machine); `-- --quick` is
+//! shorter (about three minutes there), `-- --smoke` is the CI check (seconds);
+//! `--only paths,guest` picks parts, `--threads 1,8` the thread counts,
+//! `--scale 10000000` adds a table size. The table is printed and the
+//! figures are written to `target/idem-bench.json`.
+
+mod bare;
+mod common;
+mod group;
+mod guest;
+mod paths;
+#[cfg(feature = "postgres")]
+mod pg;
+mod proxy;
+mod scale;
+
+use anyhow::{Context, Result, bail};
+
+use common::{Report, Settings};
+
+/// The parts, in the order they run.
+const PARTS: [&str; 6] = ["paths", "group", "guest", "scale", "proxy", "pg"];
+
+fn list<T: std::str::FromStr>(value: &str, flag: &str) -> Result<Vec<T>> {
+    value
+        .split(',')
+        .map(|v| v.trim().parse::<T>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| anyhow::anyhow!("{flag} takes a comma-separated list of numbers"))
+}
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut settings = Settings::full();
+    let mut only: Option<Vec<String>> = None;
+    let mut threads = None;
+    let mut extra_sizes: Vec<u64> = Vec::new();
+    let mut out =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--quick" => settings = Settings::quick(),
+            "--smoke" => settings = Settings::smoke(),
+            "--only" => {
+                let v = args.next().context("--only takes a list of parts")?;
+                only = Some(v.split(',').map(str::to_owned).collect());
+            }
+            "--threads" => {
+                threads = Some(list(
+                    &args.next().context("--threads takes a list")?,
+                    "--threads",
+                )?)
+            }
+            "--scale" => {
+                extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?
+            }
+            "--out" => out = args.next().context("--out takes a file")?.into(),
+            // What `cargo bench` and `cargo test` pass to every bench target.
+            "--bench" | "--nocapture" => {}
+            other => bail!("unknown argument {other}; see the top of host/benches/suite/main.rs"),
+        }
+    }
+    if let Some(t) = threads {
+        settings.threads = t;
+    }
+    settings.scale_sizes.extend(extra_sizes);
+    settings.scale_sizes.sort_unstable();
+    settings.scale_sizes.dedup();
+    if let Some(o) = &only
+        && let Some(bad) = o.iter().find(|p| !PARTS.contains(&p.as_str()))
+    {
+        bail!("unknown part {bad}; the parts are {}", PARTS.join(", "));
+    }
+    let wanted = |part: &str| only.as_ref().is_none_or(|o| o.iter().any(|p| p == part));
+    let mut report = Report::new();
+    for part in PARTS {
+        if !wanted(part) {
+            continue;
+        }
+        let result = match part {
+            "paths" => paths::run(&settings, &mut report),
+            "group" => group::run(&settings, &mut report),
+            "guest" => guest::run(&settings, &mut report),
+            "scale" => scale::run(&settings, &mut report),
+            "proxy" => proxy::run(&settings, &mut report),
+            #[cfg(feature = "postgres")]
+            "pg" => pg::run(&settings, &mut report),
+            _ => {
+                println!("\n{part}: skipped, not built in (the postgres feature is off)");
+                Ok(())
+            }
+        };
+        result.with_context(|| format!("benchmark part {part}"))?;
+    }
+    report.write(&out)?;
+    println!("\nfigures written to {}", out.display());
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! The proxy under load: `idem serve` (the real binary, as a child
+//! process) in front of a trivial upstream, against the upstream direct.
+//!
+//! The load generator is wrk (<https://github.com/wg/wrk>; `apt-get
+//! install wrk`), with 32 connections on 2 threads. Four kinds alternate
+//! for the same duration, round after round: direct with new keys, through
+//! the proxy with new keys (first requests: claim, forward, store), direct
+//! with one fixed key and through the proxy with that key (replays: the
+//! upstream is not called). Without wrk the part says it was skipped.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result, anyhow, bail};
+use axum::Router;
+use axum::routing::post;
+use serde_json::json;
+
+use crate::common::{Report, Settings, median};
+
+/// Concurrent connections, as the issue asks.
+const CONNECTIONS: u32 = 32;
+/// wrk threads: one per core of the machine the figures come from.
+const WRK_THREADS: u32 = 2;
+
+/// The wrk script: a new key per request (`new`) or one fixed key
+/// (`fixed`); prints one machine-readable line at the end.
+const SCRIPT: &str = r#"
+local threads = 0
+function setup(thread)
+  threads = threads + 1
+  thread:set("id", threads)
+end
+function init(args)
+  mode = args[1]
+  run = args[2]
+  n = 0
+end
+function request()
+  n = n + 1
+  local key = "replayed-key"
+  if mode == "new" then key = "k-" .. run .. "-" .. id .. "-" .. n end
+  return wrk.format("POST", "/orders",
+    {["Content-Type"] = "application/json", ["Idempotency-Key"] = key},
+    '{"sku":"A1","qty":2}')
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("IDEM-RESULT %d %d %d %d %d %d\n", summary.requests,
+    summary.duration, latency:percentile(50), latency:percentile(99), e.status,
+    e.connect + e.read + e.write + e.timeout))
+end
+"#;
+
+struct Load {
+    rps: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+/// Runs wrk for `seconds` with `connections` connections.
+fn wrk(
+    script: &std::path::Path,
+    addr: SocketAddr,
+    (seconds, connections): (u32, u32),
+    mode: &str,
+    run: &str,
+) -> Result<Load> {
+    let out = Command::new("wrk")
+        .args([
+            "-t",
+            &WRK_THREADS.min(connections).to_string(),
+            "-c",
+            &connections.to_string(),
+            "-d",
+            &format!("{seconds}s"),
+            "-s",
+        ])
+        .arg(script)
+        .arg(format!("http://{addr}/orders"))
+        .args(["--", mode, run])
+        .output()
+        .context("running wrk")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("IDEM-RESULT "))
+        .ok_or_else(|| {
+            anyhow!(
+                "wrk printed no result: {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+    let v: Vec<f64> = line
+        .split_whitespace()
+        .map(|x| x.parse::<f64>())
+        .collect::<Result<_, _>>()?;
+    let [requests, duration_us, p50, p99, bad_status, socket_errors] = v[..] else {
+        bail!("wrk result line '{line}' has the wrong shape");
+    };
+    if bad_status > 0.0 || socket_errors > 0.0 {
+        bail!("wrk saw {bad_status} error statuses and {socket_errors} socket errors ({mode})");
+    }
+    Ok(Load {
+        rps: requests / (duration_us / 1e6),
+        p50_us: p50,
+        p99_us: p99,
+    })
+}
+
+fn upstream(runtime: &tokio::runtime::Runtime) -> Result<SocketAddr> {
+    let counter = Arc::new(AtomicU64::new(0));
+    let app = Router::new().route(
+        "/orders",
+        post(move || {
+            let n = counter.fetch_add(1, Ordering::Relaxed);
+            async move {
+                (
+                    axum::http::StatusCode::CREATED,
+                    [("content-type", "application/json")],
+                    format!("{{\"order\":\"order-{n}\"}}"),
+                )
+            }
+        }),
+    );
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    runtime.spawn(async move { axum::serve(listener, app).await });
+    Ok(addr)
+}
+
+/// `idem serve` as a child process; killed on drop.
+struct Serve(Child);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(db: &std::path::Path, up: SocketAddr) -> Result<(Serve, SocketAddr)> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("--db")
+        .arg(db)
+        .args(["serve", "--listen", "127.0.0.1:0", "--upstream"])
+        .arg(format!("http://{up}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting idem serve")?;
+    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let guard = Serve(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let addr = line
+        .trim()
+        .strip_prefix("idem listening on http://")
+        .ok_or_else(|| anyhow!("idem serve printed '{line}'"))?
+        .parse()?;
+    Ok((guard, addr))
+}
+
+/// Runs the proxy measurements.
+pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
+    if Command::new("wrk").arg("--version").output().is_err() {
+        println!("\nproxy: skipped, wrk is not installed (apt-get install wrk)");
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("idem.lua");
+    std::fs::File::create(&script)?.write_all(SCRIPT.as_bytes())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let up = upstream(&runtime)?;
+    let (_serve, proxied) = serve(&dir.path().join("idem.db"), up)?;
+    let secs = settings.proxy_seconds;
+    // The replayed key, completed by one connection before 32 replay it
+    // (32 at once on a new key would be told it is in progress); and a
+    // warm-up of every kind.
+    wrk(&script, proxied, (1, 1), "fixed", "warm")?;
+    wrk(&script, proxied, (1, CONNECTIONS), "new", "warm")?;
+    wrk(&script, up, (1, CONNECTIONS), "new", "warm")?;
+    let kinds: [(&str, SocketAddr, &str); 4] = [
+        ("direct, new keys", up, "new"),
+        ("proxy, first requests", proxied, "new"),
+        ("direct, fixed key", up, "fixed"),
+        ("proxy, replays", proxied, "fixed"),
+    ];
+    let rounds = settings.rounds.min(3);
+    let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
+    for r in 0..rounds {
+        for (k, (_, addr, mode)) in kinds.iter().enumerate() {
+            results[k].push(wrk(
+                &script,
+                *addr,
+                (secs, CONNECTIONS),
+                mode,
+                &format!("r{r}k{k}"),
+            )?);
+        }
+    }
+    println!(
+        "\nproxy: wrk, {CONNECTIONS} connections, {rounds} rounds x {secs} s per kind, \
+         medians over rounds"
+    );
+    println!(
+        "{:<24} {:>9} {:>9} {:>9}",
+        "kind", "req/s", "p50 us", "p99 us"
+    );
+    let mut p50s = Vec::new();
+    for ((name, _, _), loads) in kinds.iter().zip(&results) {
+        let rps = median(&loads.iter().map(|l| l.rps).collect::<Vec<_>>());
+        let p50 = median(&loads.iter().map(|l| l.p50_us).collect::<Vec<_>>());
+        let p99 = median(&loads.iter().map(|l| l.p99_us).collect::<Vec<_>>());
+        println!("{name:<24} {rps:>9.0} {p50:>9.0} {p99:>9.0}");
+        p50s.push(p50);
+        report.add(json!({
+            "section": "proxy", "kind": name, "connections": CONNECTIONS,
+            "requests_per_s": rps, "p50_us": p50, "p99_us": p99,
+        }));
+    }
+    println!(
+        "first requests add {:+.0} us at p50; replays {:+.0} us against the same request direct",
+        p50s[1] - p50s[0],
+        p50s[3] - p50s[2]
+    );
+    Ok(())
+}
