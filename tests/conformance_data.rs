@@ -335,13 +335,13 @@ fn merge_policy(base: &mut Value, over: Option<&Value>) {
         return;
     };
     for (k, v) in over {
-        if k == "key-format" {
-            if let (Some(Value::Object(b)), Value::Object(o)) = (base.get_mut(k), v) {
-                for (kk, vv) in o {
-                    b.insert(kk.clone(), vv.clone());
-                }
-                continue;
+        if k == "key-format"
+            && let (Some(Value::Object(b)), Value::Object(o)) = (base.get_mut(k), v)
+        {
+            for (kk, vv) in o {
+                b.insert(kk.clone(), vv.clone());
             }
+            continue;
         }
         base[k.as_str()] = v.clone();
     }
@@ -949,7 +949,7 @@ fn run_all(harness: &dyn Harness) -> Result<()> {
     for file in &files {
         let doc = load(file)?;
         for s in doc["scenarios"].as_array().context("scenarios")? {
-            let name = format!("{}", s["name"].as_str().unwrap_or("?"));
+            let name = s["name"].as_str().unwrap_or("?").to_string();
             tally(name, run_scenario(harness, s))?;
         }
     }
