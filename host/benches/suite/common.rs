@@ -21,6 +21,8 @@ pub struct Settings {
     pub ops: usize,
     /// The thread counts of the path measurements.
     pub threads: Vec<usize>,
+    /// The paths measured (`--path`); all three unless picked.
+    pub paths: Vec<Path>,
     /// The table sizes of the scale measurement.
     pub scale_sizes: Vec<u64>,
     /// Expired records the sweep measurement deletes.
@@ -42,6 +44,7 @@ impl Settings {
             rounds: 5,
             ops: 2_000,
             threads: vec![1, 2, 8],
+            paths: Path::ALL.to_vec(),
             scale_sizes: vec![10_000, 1_000_000],
             sweep_records: 1_000_000,
             proxy_seconds: 5,
@@ -72,6 +75,7 @@ impl Settings {
             rounds: 1,
             ops: 10,
             threads: vec![1, 2],
+            paths: Path::ALL.to_vec(),
             scale_sizes: vec![1_000],
             sweep_records: 1_000,
             proxy_seconds: 1,
@@ -96,6 +100,14 @@ pub enum Path {
 impl Path {
     /// All three, in table order.
     pub const ALL: [Path; 3] = [Path::NewKey, Path::Replay, Path::Mismatch];
+
+    /// The path named `name` as `--path` spells it: `new-key`, `replay` or
+    /// `mismatch`.
+    pub fn parse(name: &str) -> Option<Path> {
+        Path::ALL
+            .into_iter()
+            .find(|p| p.name().replace(' ', "-") == name)
+    }
 
     /// The name in the table and the JSON summary.
     pub fn name(self) -> &'static str {

@@ -20,6 +20,7 @@
 //! operations; not yet timed on the 2-vCPU machine); `-- --quick` is
 //! shorter (about three minutes there), `-- --smoke` is the CI check (seconds);
 //! `--only paths,guest` picks parts, `--threads 1,8` the thread counts,
+//! `--path replay,new-key` the paths of the `paths` part,
 //! `--scale 10000000` adds a table size. The table is printed and the
 //! figures are written to `target/idem-bench.json`.
 
@@ -53,6 +54,7 @@ fn main() -> Result<()> {
     let mut settings = Settings::full();
     let mut only: Option<Vec<String>> = None;
     let mut threads = None;
+    let mut paths = None;
     let mut extra_sizes: Vec<u64> = Vec::new();
     let mut out =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
@@ -70,6 +72,18 @@ fn main() -> Result<()> {
                     "--threads",
                 )?)
             }
+            "--path" => {
+                let v = args.next().context("--path takes a list of paths")?;
+                paths = Some(
+                    v.split(',')
+                        .map(|p| {
+                            common::Path::parse(p.trim()).with_context(|| {
+                                format!("unknown path {p}; the paths are new-key, replay, mismatch")
+                            })
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                );
+            }
             "--scale" => {
                 extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?
             }
@@ -81,6 +95,9 @@ fn main() -> Result<()> {
     }
     if let Some(t) = threads {
         settings.threads = t;
+    }
+    if let Some(p) = paths {
+        settings.paths = p;
     }
     settings.scale_sizes.extend(extra_sizes);
     settings.scale_sizes.sort_unstable();

@@ -60,7 +60,7 @@ fn measure(
     let key = |path, who: &str, threads: usize, r, t, i| {
         key_for(path, &format!("{who}{threads}"), r, t, i, stored)
     };
-    for path in Path::ALL {
+    for &path in &settings.paths {
         for &threads in &settings.threads {
             let (mut b, mut e) = (Samples::default(), Samples::default());
             for r in 0..settings.rounds {
