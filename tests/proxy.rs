@@ -15,7 +15,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use serve::{Proxy, Resp, Serve, idem_ok};
+use serve::{Proxy, Req, Resp, Serve, idem_ok};
 use upstream::{Upstream, refused_port};
 
 /// How long a test may wait for something to arrive.
@@ -572,15 +572,14 @@ fn duplicate_in_flight_waits_for_the_result_when_configured() -> Result<()> {
     expect_total(&w.up, 1)
 }
 
-fn fifty_at_once(w: &World) -> Result<Vec<Resp>> {
-    const N: usize = 50;
-    let barrier = Arc::new(Barrier::new(N));
-    let req = w.proxy.post("/slow?ms=400").key("storm").json(BODY);
+/// Sends every request at the same moment, one thread each.
+fn all_at_once(reqs: Vec<Req>) -> Result<Vec<Resp>> {
+    let barrier = Arc::new(Barrier::new(reqs.len()));
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..N)
-            .map(|_| {
+        let handles: Vec<_> = reqs
+            .into_iter()
+            .map(|req| {
                 let barrier = Arc::clone(&barrier);
-                let req = req.clone();
                 s.spawn(move || {
                     barrier.wait();
                     req.send()
@@ -592,6 +591,12 @@ fn fifty_at_once(w: &World) -> Result<Vec<Resp>> {
             .map(|h| h.join().expect("client thread"))
             .collect()
     })
+}
+
+fn fifty_at_once(w: &World) -> Result<Vec<Resp>> {
+    const N: usize = 50;
+    let req = w.proxy.post("/slow?ms=400").key("storm").json(BODY);
+    all_at_once(vec![req; N])
 }
 
 #[test]
@@ -614,6 +619,44 @@ fn fifty_concurrent_duplicates_execute_once() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[test]
+fn group_commit_keeps_one_execution_per_key() -> Result<()> {
+    // `group_commit = true`: concurrent claims and completions share
+    // SQLite transactions. Fifty duplicates of one key, then fifty distinct
+    // keys at once: one execution each, and every key replays afterwards.
+    let w = World::start(Some("group_commit = true"))?;
+    let answers = fifty_at_once(&w)?;
+    expect_total(&w.up, 1)?;
+    ensure!(
+        answers
+            .iter()
+            .filter(|r| r.status == 201 && !r.replayed())
+            .count()
+            == 1,
+        "one executed answer for the duplicated key"
+    );
+    const KEYS: usize = 50;
+    let firsts = all_at_once(
+        (0..KEYS)
+            .map(|i| w.proxy.post("/orders").key(format!("gc-{i}")).json(BODY))
+            .collect(),
+    )?;
+    for first in &firsts {
+        expect_fresh(first, 201)?;
+    }
+    expect_total(&w.up, 1 + KEYS)?;
+    for (i, first) in firsts.iter().enumerate() {
+        let again = w
+            .proxy
+            .post("/orders")
+            .key(format!("gc-{i}"))
+            .json(BODY)
+            .send()?;
+        expect_replay_of(&again, first)?;
+    }
+    expect_total(&w.up, 1 + KEYS)
 }
 
 #[test]

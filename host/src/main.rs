@@ -10,7 +10,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use idem::proxy::{Proxy, ProxyConfig, serve, serve_with};
-use idem::{Engine, KeyStatus, ReconcileReport, RecordKey, SqliteStore, Status, Storage};
+use idem::{
+    Engine, KeyStatus, ReconcileReport, RecordKey, SqliteOptions, SqliteStore, Status, Storage,
+};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -137,13 +139,13 @@ fn main() -> Result<()> {
             admin,
         } => run_serve(&cli, config, listen, upstream, admin.as_deref()),
         Command::Inspect { scope, biz, key } => {
-            let engine = open(&cli)?.engine(&config)?;
+            let engine = open(&cli, &config)?.engine(&config)?;
             let status =
                 engine.inspect(&RecordKey::new(scope.as_str(), biz.as_str(), key.as_str()))?;
             print_inspect(cli.json, scope, biz, key, status.as_ref())
         }
         Command::Sweep { limit } => {
-            let engine = open(&cli)?.engine(&config)?;
+            let engine = open(&cli, &config)?.engine(&config)?;
             let batch = limit.unwrap_or(config.sweep_batch);
             if batch == 0 {
                 bail!("--limit must be at least 1");
@@ -164,7 +166,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Reconcile { biz, limit } => {
-            let engine = open(&cli)?.engine(&config)?;
+            let engine = open(&cli, &config)?.engine(&config)?;
             let policy = config.policy_for(biz);
             let report = engine.reconcile(biz, &policy, *limit)?;
             print_reconcile(cli.json, biz, &report)
@@ -189,10 +191,10 @@ fn main() -> Result<()> {
         }
         #[cfg(feature = "middleware")]
         Command::ServeComponent { component, listen } => {
-            run_serve_component(&cli, component, listen)
+            run_serve_component(&cli, &config, component, listen)
         }
         Command::Stats => {
-            let counts = open(&cli)?.shared().count_by_status()?;
+            let counts = open(&cli, &config)?.shared().count_by_status()?;
             print_stats(cli.json, &counts)
         }
     }
@@ -265,12 +267,16 @@ fn is_postgres_url(db: &OsStr) -> bool {
     })
 }
 
-fn open(cli: &Cli) -> Result<Db> {
+fn open(cli: &Cli, config: &ProxyConfig) -> Result<Db> {
     if is_postgres_url(&cli.db) {
         return open_postgres(cli);
     }
     let path = Path::new(&cli.db);
-    let store = SqliteStore::open(path, Default::default())
+    let options = SqliteOptions {
+        group_commit: config.group_commit,
+        ..Default::default()
+    };
+    let store = SqliteStore::open(path, options)
         .with_context(|| format!("cannot open the database {}", path.display()))?;
     Ok(Db::Sqlite(store))
 }
@@ -309,7 +315,7 @@ fn run_serve(
     let upstream: http::Uri = upstream
         .parse()
         .with_context(|| format!("--upstream '{upstream}' is not a URI"))?;
-    let db = open(cli)?;
+    let db = open(cli, &config)?;
     let engine = db.engine(&config)?;
     let store = db.shared();
     let proxy = Proxy::new(engine, store, config, upstream)?;
@@ -323,10 +329,15 @@ fn run_serve(
 }
 
 #[cfg(feature = "middleware")]
-fn run_serve_component(cli: &Cli, component: &Path, listen: &str) -> Result<()> {
+fn run_serve_component(
+    cli: &Cli,
+    config: &ProxyConfig,
+    component: &Path,
+    listen: &str,
+) -> Result<()> {
     let wasm =
         std::fs::read(component).with_context(|| format!("cannot read {}", component.display()))?;
-    let store = open(cli)?.shared();
+    let store = open(cli, config)?.shared();
     let clock: Arc<dyn idem::Clock> = Arc::new(idem::SystemClock::new());
     let server = idem::middleware::ComponentServer::new(&wasm, store, clock)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -403,6 +403,11 @@ pub struct ProxyConfig {
     /// needs more fails (500) and its instance is discarded. Default
     /// 268 435 456 (256 MiB, [`crate::engine::DEFAULT_MEMORY_LIMIT`]).
     pub guest_memory_bytes: u64,
+    /// `group_commit`: with a SQLite `--db`, batch the claims and
+    /// completions of concurrent requests into one transaction, each
+    /// answered only after it commits ([`crate::SqliteOptions::group_commit`]).
+    /// Default false. Ignored for PostgreSQL.
+    pub group_commit: bool,
     /// `[defaults]`: the policy of every route and of unmatched requests.
     pub defaults: PolicyConfig,
     /// `[[routes]]`: the first route matching a request's method and path
@@ -424,6 +429,7 @@ impl Default for ProxyConfig {
             guest_deadline_ms: u64::try_from(crate::engine::DEFAULT_GUEST_DEADLINE.as_millis())
                 .unwrap_or(u64::MAX),
             guest_memory_bytes: crate::engine::DEFAULT_MEMORY_LIMIT as u64,
+            group_commit: false,
             defaults: PolicyConfig::default(),
             routes: Vec::new(),
         }
@@ -967,6 +973,14 @@ mod tests {
             m.contains("guest_memory_bytes") && m.contains("4 MiB"),
             "{m}"
         );
+    }
+
+    #[test]
+    fn group_commit_is_off_unless_asked_for() -> Result<(), ConfigError> {
+        assert!(!ProxyConfig::default().group_commit);
+        assert!(ProxyConfig::from_toml_str("group_commit = true")?.group_commit);
+        assert!(ProxyConfig::from_toml_str("group_commit = 1").is_err());
+        Ok(())
     }
 
     #[test]
