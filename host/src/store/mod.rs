@@ -4,6 +4,7 @@
 //! component makes every decision on top of it. One conformance suite runs
 //! against every backend through the real component.
 
+mod columns;
 pub mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;

@@ -35,6 +35,7 @@ use std::time::Duration;
 use postgres::types::{FromSqlOwned, ToSql};
 use postgres::{Client, NoTls, Statement};
 
+use super::columns::{self, parse_status, saturate, to_json, to_u32, to_u64};
 use super::{Storage, StoreError};
 use crate::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
@@ -865,41 +866,11 @@ fn check_text(value: &str, field: &str) -> Result<(), StoreError> {
 }
 
 fn to_i64(value: u64, field: &str) -> Result<i64, StoreError> {
-    i64::try_from(value).map_err(|_| {
-        StoreError::Rejected(format!(
-            "{field} = {value} is above {}, the largest integer PostgreSQL's BIGINT stores",
-            i64::MAX
-        ))
-    })
-}
-
-/// A bound for comparisons: every stored value is at most `i64::MAX`, so a
-/// larger bound compares exactly like `i64::MAX`.
-fn saturate(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
-}
-
-fn to_json<T: serde::Serialize>(value: &T, field: &str) -> Result<Vec<u8>, StoreError> {
-    serde_json::to_vec(value)
-        .map_err(|e| StoreError::Internal(format!("cannot encode {field}: {e}")))
-}
-
-fn to_u64(value: i64, column: &str) -> Result<u64, StoreError> {
-    u64::try_from(value)
-        .map_err(|_| StoreError::Internal(format!("column {column} holds negative value {value}")))
-}
-
-fn to_u32(value: i64, column: &str) -> Result<u32, StoreError> {
-    u32::try_from(value).map_err(|_| {
-        StoreError::Internal(format!(
-            "column {column} holds {value}, outside 0..=u32::MAX"
-        ))
-    })
-}
-
-fn parse_status(name: &str) -> Result<Status, StoreError> {
-    Status::parse(name)
-        .ok_or_else(|| StoreError::Internal(format!("column status holds unknown status {name:?}")))
+    columns::to_i64(
+        value,
+        field,
+        "the largest integer PostgreSQL's BIGINT stores",
+    )
 }
 
 fn column_name(index: usize) -> &'static str {
