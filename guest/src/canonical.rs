@@ -35,6 +35,11 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 /// The longest object name, in characters, that an error message quotes.
 const MAX_QUOTED_KEY_CHARS: usize = 64;
 
+/// 2^53: every integer up to this magnitude is a double exactly, and
+/// ECMAScript writes it as plain digits, so it is formatted as an integer
+/// (faster than the shortest-round-trip algorithm, same text).
+const MAX_EXACT_INTEGER: f64 = 9_007_199_254_740_992.0;
+
 /// Why a document could not be canonicalized.
 ///
 /// Messages never quote the document, except for the name of a duplicate
@@ -114,10 +119,21 @@ impl core::error::Error for CanonError {}
 /// nests deeper than 128 levels), [`CanonError::DuplicateKey`] when an object
 /// has two members with the same name.
 pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonError> {
-    let root = parse(json)?;
-    let mut out = Vec::with_capacity(json.len());
-    write_node(&mut out, &root);
-    Ok(out)
+    // Written while parsing, without a tree: names and strings are escaped
+    // straight from the input, and an object's members are moved into
+    // order only when they did not arrive in order.
+    let writer = Writer {
+        out: RefCell::new(Vec::with_capacity(json.len())),
+        members: RefCell::new(Vec::new()),
+        scratch: RefCell::new(Vec::new()),
+        duplicate: RefCell::new(None),
+    };
+    let mut de = serde_json::Deserializer::from_slice(json);
+    WriteSeed { w: &writer }
+        .deserialize(&mut de)
+        .and_then(|()| de.end())
+        .map_err(|err| parse_error(&err, writer.duplicate.take()))?;
+    Ok(writer.out.into_inner())
 }
 
 /// Returns the canonical form of the JSON object whose member names are
@@ -198,39 +214,230 @@ fn utf16_cmp(a: &str, b: &str) -> Ordering {
 fn parse(json: &[u8]) -> Result<Node, CanonError> {
     let duplicate: RefCell<Option<String>> = RefCell::new(None);
     let mut de = serde_json::Deserializer::from_slice(json);
-    let parsed = NodeSeed {
+    NodeSeed {
         duplicate: &duplicate,
     }
     .deserialize(&mut de)
-    .and_then(|node| de.end().map(|()| node));
-    parsed.map_err(|err| {
-        let (line, column) = (err.line(), err.column());
-        match duplicate.into_inner() {
-            Some(name) => {
-                let truncated = name.chars().count() > MAX_QUOTED_KEY_CHARS;
-                let key = name.chars().take(MAX_QUOTED_KEY_CHARS).collect();
-                CanonError::DuplicateKey {
-                    key,
-                    truncated,
-                    line,
-                    column,
-                }
-            }
-            None => {
-                let full = format!("{err}");
-                let suffix = format!(" at line {line} column {column}");
-                let reason = match full.strip_suffix(suffix.as_str()) {
-                    Some(reason) if line != 0 => String::from(reason),
-                    _ => full,
-                };
-                CanonError::Syntax {
-                    line,
-                    column,
-                    reason,
-                }
+    .and_then(|node| de.end().map(|()| node))
+    .map_err(|err| parse_error(&err, duplicate.take()))
+}
+
+/// Turns the parser's error into a [`CanonError`]; `duplicate` is the
+/// duplicate name that stopped it, if that is what did.
+fn parse_error(err: &serde_json::Error, duplicate: Option<String>) -> CanonError {
+    let (line, column) = (err.line(), err.column());
+    match duplicate {
+        Some(name) => {
+            let truncated = name.chars().count() > MAX_QUOTED_KEY_CHARS;
+            let key = name.chars().take(MAX_QUOTED_KEY_CHARS).collect();
+            CanonError::DuplicateKey {
+                key,
+                truncated,
+                line,
+                column,
             }
         }
-    })
+        None => {
+            let full = format!("{err}");
+            let suffix = format!(" at line {line} column {column}");
+            let reason = match full.strip_suffix(suffix.as_str()) {
+                Some(reason) if line != 0 => String::from(reason),
+                _ => full,
+            };
+            CanonError::Syntax {
+                line,
+                column,
+                reason,
+            }
+        }
+    }
+}
+
+/// The state of [`canonicalize`]: the output so far; a stack of the
+/// members of the objects being read (each member's name and where its
+/// `"name":value` text lies in the output), shared so that objects need no
+/// allocation of their own; a buffer reused to reorder members; and the
+/// first duplicate name met (serde's error type cannot carry it).
+struct Writer<'de> {
+    out: RefCell<Vec<u8>>,
+    members: RefCell<Vec<Member<'de>>>,
+    scratch: RefCell<Vec<u8>>,
+    duplicate: RefCell<Option<String>>,
+}
+
+/// An object member's name and the range of its `"name":value` text.
+type Member<'de> = (Cow<'de, str>, usize, usize);
+
+/// Deserializes one JSON value by writing its canonical form to the end of
+/// the writer's output.
+struct WriteSeed<'w, 'de> {
+    w: &'w Writer<'de>,
+}
+
+// Derived `Clone`/`Copy` would demand `Writer: Copy`.
+impl Clone for WriteSeed<'_, '_> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl Copy for WriteSeed<'_, '_> {}
+
+impl<'de> DeserializeSeed<'de> for WriteSeed<'_, 'de> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for WriteSeed<'_, 'de> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        self.w.out.borrow_mut().extend_from_slice(b"null");
+        Ok(())
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
+        let text: &[u8] = if v { b"true" } else { b"false" };
+        self.w.out.borrow_mut().extend_from_slice(text);
+        Ok(())
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+        // Rounds to the nearest double, ties to even, as JavaScript reads
+        // the same decimal integer.
+        write_number(&mut self.w.out.borrow_mut(), v as f64);
+        Ok(())
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+        write_number(&mut self.w.out.borrow_mut(), v as f64);
+        Ok(())
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
+        if !v.is_finite() {
+            return Err(E::custom("number out of range"));
+        }
+        write_number(&mut self.w.out.borrow_mut(), v);
+        Ok(())
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        write_string(&mut self.w.out.borrow_mut(), v);
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        self.w.out.borrow_mut().push(b'[');
+        let mut first = true;
+        loop {
+            // The comma goes in before the element is known to exist, and
+            // comes out again when the array turns out to have ended.
+            let comma_at = self.w.out.borrow().len();
+            if !first {
+                self.w.out.borrow_mut().push(b',');
+            }
+            if seq.next_element_seed(self)?.is_none() {
+                let mut out = self.w.out.borrow_mut();
+                out.truncate(comma_at);
+                out.push(b']');
+                return Ok(());
+            }
+            first = false;
+        }
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let open = {
+            let mut out = self.w.out.borrow_mut();
+            out.push(b'{');
+            out.len()
+        };
+        // This object's members are the top of the shared stack, from
+        // `base` on; nested objects push and pop theirs above them.
+        let base = self.w.members.borrow().len();
+        while let Some(name) = map.next_key_seed(NameSeed)? {
+            let start = {
+                let mut out = self.w.out.borrow_mut();
+                if self.w.members.borrow().len() > base {
+                    out.push(b',');
+                }
+                let start = out.len();
+                write_string(&mut out, &name);
+                out.push(b':');
+                start
+            };
+            map.next_value_seed(self)?;
+            let end = self.w.out.borrow().len();
+            self.w.members.borrow_mut().push((name, start, end));
+        }
+        let mut stack = self.w.members.borrow_mut();
+        let members = stack.get_mut(base..).unwrap_or_default();
+        let in_order = members
+            .windows(2)
+            .all(|pair| matches!(pair, [a, b] if utf16_cmp(&a.0, &b.0) == Ordering::Less));
+        if !in_order {
+            // Stable sort: equal names end up adjacent, so one pass finds
+            // them.
+            members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
+            let duplicate = members.windows(2).find_map(|pair| match pair {
+                [a, b] if a.0 == b.0 => Some(String::from(a.0.as_ref())),
+                _ => None,
+            });
+            if let Some(name) = duplicate {
+                *self.w.duplicate.borrow_mut() = Some(name);
+                return Err(de::Error::custom("duplicate object key"));
+            }
+            let mut out = self.w.out.borrow_mut();
+            let mut scratch = self.w.scratch.borrow_mut();
+            scratch.clear();
+            scratch.extend_from_slice(out.get(open..).unwrap_or_default());
+            out.truncate(open);
+            for (i, (_, start, end)) in members.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(scratch.get(start - open..end - open).unwrap_or_default());
+            }
+        }
+        stack.truncate(base);
+        self.w.out.borrow_mut().push(b'}');
+        Ok(())
+    }
+}
+
+/// Deserializes an object member's name, borrowed from the input unless it
+/// has escapes.
+struct NameSeed;
+
+impl<'de> DeserializeSeed<'de> for NameSeed {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for NameSeed {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object member name")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(String::from(v)))
+    }
 }
 
 /// Deserializes one [`Node`]; records the first duplicate name it meets in
@@ -400,6 +607,17 @@ fn write_number(out: &mut Vec<u8>, v: f64) {
         out.push(b'0');
         return;
     }
+    if (-MAX_EXACT_INTEGER..=MAX_EXACT_INTEGER).contains(&v) {
+        // Integers are most of the numbers in requests; ECMAScript writes
+        // them as plain digits. In this range `as` is exact both ways, so
+        // the round trip tells an integer from a fraction.
+        let int = v as i64;
+        if int as f64 == v {
+            let mut buffer = itoa::Buffer::new();
+            out.extend_from_slice(buffer.format(int).as_bytes());
+            return;
+        }
+    }
     let mut buffer = ryu_js::Buffer::new();
     out.extend_from_slice(buffer.format(v).as_bytes());
 }
@@ -493,6 +711,36 @@ mod tests {
                         \"\u{1f600}\":\"Emoji: Grinning Face\",\
                         \"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}";
         assert_eq!(canon(input), expected);
+    }
+
+    #[test]
+    fn nested_members_are_reordered_at_every_level() {
+        assert_eq!(
+            canon(
+                r#"{"z":{"y":[{"b":1,"a":{"d":4,"c":3}}],"x":2},"a":[1,{"n":null,"m":true}],"m":{}}"#
+            ),
+            r#"{"a":[1,{"m":true,"n":null}],"m":{},"z":{"x":2,"y":[{"a":{"c":3,"d":4},"b":1}]}}"#
+        );
+        assert_eq!(canon(r#"[[],{},[[]],[{}]]"#), r#"[[],{},[[]],[{}]]"#);
+        assert_eq!(
+            canon(r#"{"a\u0062":1,"aa":2,"ab\n":3}"#),
+            r#"{"aa":2,"ab":1,"ab\n":3}"#
+        );
+    }
+
+    #[test]
+    fn integers_and_fractions_share_ecmascript_spelling() {
+        for (input, expected) in [
+            ("9007199254740992", "9007199254740992"),
+            ("-9007199254740992", "-9007199254740992"),
+            ("9007199254740994", "9007199254740994"),
+            ("12.0", "12"),
+            ("-12.5e1", "-125"),
+            ("1e15", "1000000000000000"),
+            ("[0,-0,1,-1,0.5]", "[0,0,1,-1,0.5]"),
+        ] {
+            assert_eq!(canon(input), expected, "input {input}");
+        }
     }
 
     #[test]

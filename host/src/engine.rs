@@ -339,12 +339,22 @@ fn load(engine: &wasmtime::Engine, wasm: &[u8]) -> Result<bindings::IdemPre<Host
     bindings::IdemPre::new(pre).map_err(|e| Error::Load(format!("{e:#}")))
 }
 
+/// The environment variable that, set to `1`, makes Wasmtime write a perf
+/// map (`/tmp/perf-<pid>.map`) for the compiled guest, so that `perf
+/// report` names the guest's own functions instead of `[JIT]` addresses.
+/// Read when an engine is built; off otherwise, because the map grows with
+/// every compilation.
+pub const PERF_MAP_VAR: &str = "IDEM_PERF_MAP";
+
 /// A Wasmtime engine whose code checks an epoch deadline, with its own
 /// ticker thread that advances the epoch every [`EPOCH_TICK`] for as long
 /// as the engine lives.
 fn new_wasmtime_engine() -> Result<wasmtime::Engine, Error> {
     let mut config = wasmtime::Config::new();
     config.epoch_interruption(true);
+    if std::env::var_os(PERF_MAP_VAR).is_some_and(|v| v == "1") {
+        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    }
     let engine = wasmtime::Engine::new(&config).map_err(|e| Error::Load(format!("{e:#}")))?;
     let weak = engine.weak();
     std::thread::Builder::new()

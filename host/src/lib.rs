@@ -42,7 +42,9 @@ pub use api::{
     KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed, Ticket, UnknownInfo, WaitSpec,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{ActionResult, Engine, EngineBuilder, Error, ResultLookup, RunOutcome};
+pub use engine::{
+    ActionResult, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup, RunOutcome,
+};
 pub use store::{FaultKind, MemoryStore, SqliteOptions, SqliteStore, Storage, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{PostgresOptions, PostgresStore};

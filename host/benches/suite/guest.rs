@@ -14,33 +14,11 @@ use anyhow::{Result, bail};
 use idem::{BeginRequest, Decision, Engine, MemoryStore, Policy, RecordKey, Success};
 use serde_json::json;
 
+use crate::body::json_body;
 use crate::common::{Report, Settings, percentile};
 
 /// The body sizes measured.
 const SIZES: [(usize, &str); 3] = [(200, "200 B"), (4 * 1024, "4 KiB"), (64 * 1024, "64 KiB")];
-
-/// A JSON order of about `size` bytes: line items with notes, in a key
-/// order the canonical form has to sort.
-pub fn json_body(size: usize) -> String {
-    let mut body = String::from(r#"{"sku":"A1","customer":"c-42","items":["#);
-    let mut i = 0;
-    while body.len() + 80 < size {
-        if i > 0 {
-            body.push(',');
-        }
-        body.push_str(&format!(
-            r#"{{"qty":{},"sku":"S{i:05}","price":{}.5,"note":"line {i} of the order"}}"#,
-            i % 7 + 1,
-            i * 3
-        ));
-        i += 1;
-    }
-    body.push_str("]}");
-    while body.len() < size {
-        body.insert(1, ' ');
-    }
-    body
-}
 
 fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     let mut d: Vec<Duration> = Vec::with_capacity(reps);

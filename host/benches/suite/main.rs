@@ -20,11 +20,14 @@
 //! operations; not yet timed on the 2-vCPU machine); `-- --quick` is
 //! shorter (about three minutes there), `-- --smoke` is the CI check (seconds);
 //! `--only paths,guest` picks parts, `--threads 1,8` the thread counts,
-//! `--path replay,new-key` the paths of the `paths` part,
+//! `--path replay,new-key` the paths of the `paths` part, `--rounds 3
+//! --ops 50000` the counts of the `paths` part (long runs of one path for a
+//! profiler),
 //! `--scale 10000000` adds a table size. The table is printed and the
 //! figures are written to `target/idem-bench.json`.
 
 mod bare;
+mod body;
 mod common;
 mod group;
 mod guest;
@@ -49,12 +52,22 @@ fn list<T: std::str::FromStr>(value: &str, flag: &str) -> Result<Vec<T>> {
         .map_err(|_| anyhow::anyhow!("{flag} takes a comma-separated list of numbers"))
 }
 
+/// A positive count given to `flag`.
+fn count(value: Option<String>, flag: &str) -> Result<usize> {
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .with_context(|| format!("{flag} takes a positive number"))
+}
+
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let mut settings = Settings::full();
     let mut only: Option<Vec<String>> = None;
     let mut threads = None;
     let mut paths = None;
+    let mut rounds = None;
+    let mut ops = None;
     let mut extra_sizes: Vec<u64> = Vec::new();
     let mut out =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
@@ -84,6 +97,8 @@ fn main() -> Result<()> {
                         .collect::<Result<Vec<_>>>()?,
                 );
             }
+            "--rounds" => rounds = Some(count(args.next(), "--rounds")?),
+            "--ops" => ops = Some(count(args.next(), "--ops")?),
             "--scale" => {
                 extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?
             }
@@ -98,6 +113,12 @@ fn main() -> Result<()> {
     }
     if let Some(p) = paths {
         settings.paths = p;
+    }
+    if let Some(r) = rounds {
+        settings.rounds = r;
+    }
+    if let Some(o) = ops {
+        settings.ops = o;
     }
     settings.scale_sizes.extend(extra_sizes);
     settings.scale_sizes.sort_unstable();
