@@ -6,7 +6,9 @@
 //! for the same duration, round after round: direct with new keys, through
 //! the proxy with new keys (first requests: claim, forward, store), direct
 //! with one fixed key and through the proxy with that key (replays: the
-//! upstream is not called). Without wrk the part says it was skipped.
+//! upstream is not called). A second `idem serve` with `group_commit = true`
+//! takes new keys too, after the four. Without wrk the part says it was
+//! skipped.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -142,11 +144,22 @@ impl Drop for Serve {
     }
 }
 
-fn serve(db: &std::path::Path, up: SocketAddr) -> Result<(Serve, SocketAddr)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .arg("--db")
+/// Starts `idem serve` on `db` in front of `up`, with the configuration
+/// file `config` if one is given.
+fn serve(
+    db: &std::path::Path,
+    up: SocketAddr,
+    config: Option<&std::path::Path>,
+) -> Result<(Serve, SocketAddr)> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    cmd.arg("--db")
         .arg(db)
-        .args(["serve", "--listen", "127.0.0.1:0", "--upstream"])
+        .args(["serve", "--listen", "127.0.0.1:0"]);
+    if let Some(config) = config {
+        cmd.arg("--config").arg(config);
+    }
+    let mut child = cmd
+        .arg("--upstream")
         .arg(format!("http://{up}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -178,7 +191,10 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         .enable_all()
         .build()?;
     let up = upstream(&runtime)?;
-    let (_serve, proxied) = serve(&dir.path().join("idem.db"), up)?;
+    let (_serve, proxied) = serve(&dir.path().join("idem.db"), up, None)?;
+    let grouped_config = dir.path().join("group.toml");
+    std::fs::write(&grouped_config, "group_commit = true\n")?;
+    let (_grouped, grouped) = serve(&dir.path().join("group.db"), up, Some(&grouped_config))?;
     let secs = settings.proxy_seconds;
     // The replayed key, completed by one connection before 32 replay it
     // (32 at once on a new key would be told it is in progress); and a
@@ -186,11 +202,13 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     wrk(&script, proxied, (1, 1), "fixed", "warm")?;
     wrk(&script, proxied, (1, CONNECTIONS), "new", "warm")?;
     wrk(&script, up, (1, CONNECTIONS), "new", "warm")?;
-    let kinds: [(&str, SocketAddr, &str); 4] = [
+    wrk(&script, grouped, (1, CONNECTIONS), "new", "warm")?;
+    let kinds: [(&str, SocketAddr, &str); 5] = [
         ("direct, new keys", up, "new"),
         ("proxy, first requests", proxied, "new"),
         ("direct, fixed key", up, "fixed"),
         ("proxy, replays", proxied, "fixed"),
+        ("proxy, first, grouped", grouped, "new"),
     ];
     let rounds = settings.rounds.min(3);
     let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
@@ -226,8 +244,10 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         }));
     }
     println!(
-        "first requests add {:+.0} us at p50; replays {:+.0} us against the same request direct",
+        "first requests add {:+.0} us at p50 ({:+.0} us with group commit); replays {:+.0} us \
+         against the same request direct",
         p50s[1] - p50s[0],
+        p50s[4] - p50s[0],
         p50s[3] - p50s[2]
     );
     Ok(())
