@@ -45,9 +45,9 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
     ActionResult, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup, RunOutcome,
 };
-pub use store::{FaultKind, MemoryStore, SqliteOptions, SqliteStore, Storage, StoreError};
 #[cfg(feature = "postgres")]
-pub use store::{PostgresOptions, PostgresStore};
+pub use store::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
+pub use store::{FaultKind, MemoryStore, SqliteOptions, SqliteStore, Storage, StoreError};
 pub use types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, Success, SwapOutcome,
     Timestamp,

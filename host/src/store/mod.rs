@@ -16,7 +16,7 @@ use crate::types::{InsertOutcome, RecordKey, StoredRecord, SwapOutcome, Timestam
 mod tests;
 
 #[cfg(feature = "postgres")]
-pub use self::postgres::{PostgresOptions, PostgresStore};
+pub use self::postgres::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
 pub use memory::{FaultKind, MemoryStore, Op};
 pub use sqlite::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous};
 

@@ -30,7 +30,7 @@
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use postgres::types::{FromSqlOwned, ToSql};
 use postgres::{Client, NoTls, Statement};
@@ -176,7 +176,20 @@ pub struct PostgresOptions {
     /// such a connection fails one operation with
     /// [`StoreError::Unavailable`] and is then discarded.
     pub check_on_checkout: bool,
+    /// With `check_on_checkout`, a connection is checked only when it has
+    /// sat in the pool at least this long. Default
+    /// [`DEFAULT_CHECK_AFTER_IDLE`]; zero checks every checkout.
+    pub check_after_idle: Duration,
 }
+
+/// The default [`PostgresOptions::check_after_idle`], 500 ms (HikariCP's
+/// "alive bypass window" for the same reason): a connection handed back
+/// moments ago was working then, so under load, when every connection is
+/// reused within microseconds, the check would add one round trip to
+/// every operation and catch next to nothing. A connection that the server
+/// closed within that window fails one operation with
+/// [`StoreError::Unavailable`] and is discarded, as without the check.
+pub const DEFAULT_CHECK_AFTER_IDLE: Duration = Duration::from_millis(500);
 
 impl Default for PostgresOptions {
     fn default() -> Self {
@@ -186,6 +199,7 @@ impl Default for PostgresOptions {
             connect_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(5),
             check_on_checkout: true,
+            check_after_idle: DEFAULT_CHECK_AFTER_IDLE,
         }
     }
 }
@@ -383,6 +397,11 @@ struct Prepared {
 struct PgConnection {
     client: Client,
     prepared: Prepared,
+    /// When the pool last took the connection back after a successful
+    /// operation; none before its first use and after a failed one.
+    returned_at: Option<Instant>,
+    /// Whether the last operation on the connection succeeded.
+    healthy: bool,
 }
 
 impl fmt::Debug for PgConnection {
@@ -397,6 +416,8 @@ impl fmt::Debug for PgConnection {
 struct ConnectionManager {
     config: postgres::Config,
     sql: Arc<Sql>,
+    /// [`PostgresOptions::check_after_idle`].
+    check_after_idle: Duration,
 }
 
 impl ConnectionManager {
@@ -410,7 +431,12 @@ impl ConnectionManager {
             list_stale: client.prepare(&self.sql.list_stale)?,
             count_by_status: client.prepare(&self.sql.count_by_status)?,
         };
-        Ok(PgConnection { client, prepared })
+        Ok(PgConnection {
+            client,
+            prepared,
+            returned_at: None,
+            healthy: true,
+        })
     }
 }
 
@@ -422,13 +448,23 @@ impl r2d2::ManageConnection for ConnectionManager {
         self.open()
     }
 
+    /// Called on checkout when `check_on_checkout` is on: an empty query,
+    /// unless the connection came back within `check_after_idle`.
     fn is_valid(&self, conn: &mut PgConnection) -> Result<(), postgres::Error> {
+        if conn
+            .returned_at
+            .is_some_and(|at| at.elapsed() < self.check_after_idle)
+        {
+            return Ok(());
+        }
         conn.client.simple_query("").map(|_| ())
     }
 
     /// A connection whose socket the client saw close is discarded on its
-    /// way back to the pool.
+    /// way back to the pool; every other one notes when it came back, if
+    /// its last operation succeeded.
     fn has_broken(&self, conn: &mut PgConnection) -> bool {
+        conn.returned_at = conn.healthy.then(Instant::now);
         conn.client.is_closed()
     }
 }
@@ -501,6 +537,7 @@ impl PostgresStore {
         let manager = ConnectionManager {
             config: config.clone(),
             sql,
+            check_after_idle: options.check_after_idle,
         };
 
         // One connection outside the pool: it reports an unreachable server
@@ -536,7 +573,11 @@ impl PostgresStore {
         op: impl FnOnce(&mut PgConnection) -> Result<R, StoreError>,
     ) -> Result<R, StoreError> {
         let mut conn = self.inner.pool.get().map_err(map_pool_err)?;
-        op(&mut conn)
+        let out = op(&mut conn);
+        // A failed operation may have lost the connection without the
+        // client noticing yet: check it on its next checkout, however soon.
+        conn.healthy = out.is_ok();
+        out
     }
 }
 
