@@ -19,21 +19,22 @@ use crate::clock::{Clock, SystemClock};
 use crate::store::{SqliteStore, Storage, StoreError};
 use crate::types::{Failure, RecordKey, Success, Timestamp};
 
-/// The most linear memory one guest instance may use: 256 MiB holds a
-/// 16 MiB JSON body while it is parsed, canonicalized and hashed (measured;
-/// sixteen times the default `max_body_bytes`), and stops a runaway guest
-/// long before the host feels it. A JSON body near the largest a policy may
-/// accept (64 MiB) needs more: raise it for such policies.
+/// The most linear memory one guest instance may use: 256 MiB holds a JSON
+/// body of the largest size a policy may accept (64 MiB) while it is
+/// parsed, canonicalized and hashed (measured: the body, its canonical form
+/// and a buffer no larger than its largest object), and stops a runaway
+/// guest long before the host feels it.
 pub const DEFAULT_MEMORY_LIMIT: usize = 256 * 1024 * 1024;
 
 /// The longest one call into the guest may compute (wall time while the
 /// guest runs; time in host imports, such as the store, the clock and the
 /// result lookup, does not count). A decision is a few store round trips
 /// and one pass over the body: with a 1 MiB JSON body (the default
-/// `max_body_bytes`) a `begin` computes about 50 ms on a loaded 2-vCPU
-/// machine, twenty times less than this, and a looping guest still frees
-/// its thread within a second. Bodies of several MiB need more (16 MiB of
-/// JSON took about 0.8 s there): raise it for such policies.
+/// `max_body_bytes`) a `begin` computes about 16 ms on a quiet 2-vCPU
+/// machine (about 50 ms under load), far less than this, and a looping
+/// guest still frees its thread within a second. JSON bodies of tens of MiB
+/// come close (32 MiB took about 0.5 s, 64 MiB about 1 s there): raise it
+/// for policies that accept them.
 pub const DEFAULT_GUEST_DEADLINE: Duration = Duration::from_secs(1);
 
 /// How often the shared ticker thread advances a Wasmtime engine's epoch:
