@@ -9,62 +9,26 @@
 mod serve;
 #[path = "support/upstream.rs"]
 mod upstream;
+#[path = "support/world.rs"]
+mod world;
 
-use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use serve::{Proxy, Req, Resp, Serve, idem_ok};
+use serve::{Req, Resp, Serve, idem_ok};
 use upstream::{Upstream, refused_port};
+use world::{World, serve};
 
 /// How long a test may wait for something to arrive.
 const ARRIVAL: Duration = Duration::from_secs(10);
 
 const BODY: &str = r#"{"sku":"A1-secret-sku","qty":2}"#;
 
-/// One test's world: a temporary directory with the database, an upstream
-/// and a proxy in front of it. Dropped in field order: the proxy is killed
-/// first, the directory removed last.
-struct World {
-    proxy: Proxy,
-    up: Upstream,
-    db: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
 impl World {
-    fn start(config: Option<&str>) -> Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let db = dir.path().join("idem.db");
-        let up = Upstream::start()?;
-        let proxy = serve(&up.url(), &db, config)?;
-        Ok(Self {
-            proxy,
-            up,
-            db,
-            _dir: dir,
-        })
-    }
-
     fn db(&self) -> &str {
         self.db.to_str().expect("utf-8 temp path")
     }
-
-    /// Replaces the proxy with a new process on the same database.
-    fn restart(&mut self, config: Option<&str>) -> Result<()> {
-        self.proxy.kill()?;
-        self.proxy = serve(&self.up.url(), &self.db, config)?;
-        Ok(())
-    }
-}
-
-fn serve(upstream: &str, db: &std::path::Path, config: Option<&str>) -> Result<Proxy> {
-    let mut s = Serve::new(upstream, db);
-    if let Some(c) = config {
-        s = s.config(c);
-    }
-    s.start()
 }
 
 /// A first answer: executed, not replayed.

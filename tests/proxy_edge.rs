@@ -11,15 +11,15 @@
 mod serve;
 #[path = "support/upstream.rs"]
 mod upstream;
+#[path = "support/world.rs"]
+mod world;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use serve::{Proxy, Serve};
-use upstream::Upstream;
+use world::World;
 
 /// The longest wait for any answer; far above the proxy's timeouts below.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -40,25 +40,10 @@ fn config() -> String {
     )
 }
 
-struct World {
-    proxy: Proxy,
-    up: Upstream,
-    db: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
 impl World {
-    fn start() -> Result<World> {
-        let dir = tempfile::tempdir()?;
-        let db = dir.path().join("idem.db");
-        let up = Upstream::start()?;
-        let proxy = Serve::new(&up.url(), &db).config(&config()).start()?;
-        Ok(World {
-            proxy,
-            up,
-            db,
-            _dir: dir,
-        })
+    /// A world whose proxy has the short read timeouts of [`config`].
+    fn edge() -> Result<World> {
+        World::start(Some(&config()))
     }
 
     fn addr(&self) -> Result<&str> {
@@ -449,7 +434,7 @@ fn bad_inputs() -> Vec<Case> {
 
 #[test]
 fn bad_input_at_the_edge_is_4xx_and_writes_nothing() -> Result<()> {
-    let w = World::start()?;
+    let w = World::edge()?;
     let cases = bad_inputs();
     for c in &cases {
         let started = Instant::now();
@@ -537,7 +522,7 @@ fn sf_string(key: &str) -> String {
 
 #[test]
 fn odd_keys_and_scopes_behave_like_any_other() -> Result<()> {
-    let w = World::start()?;
+    let w = World::edge()?;
     let mut expected = Vec::new();
     let mut executions = 0;
     for (i, odd) in ODD.iter().enumerate() {
@@ -622,7 +607,7 @@ fn odd_keys_and_scopes_behave_like_any_other() -> Result<()> {
 
 #[test]
 fn problem_bodies_never_echo_stored_or_other_scopes_data() -> Result<()> {
-    let w = World::start()?;
+    let w = World::edge()?;
     let secret_scope = "tenant-alpha-7f3a9c";
     let stored_path = "/orders?note=alpha-stored-3b8e1d";
     let secret_body = r#"{"card":"alpha-card-5d2c77"}"#;

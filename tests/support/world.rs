@@ -1,0 +1,56 @@
+//! One test's world for the `idem serve` suites: a temporary directory
+//! with the database, an upstream and a proxy in front of it. Needs the
+//! `serve` and `upstream` support modules beside it.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+
+use crate::serve::{Proxy, Serve};
+use crate::upstream::Upstream;
+
+/// Dropped in field order: the proxy is killed first, the directory
+/// removed last.
+pub struct World {
+    /// The `idem serve` process.
+    pub proxy: Proxy,
+    /// The counting upstream behind it.
+    pub up: Upstream,
+    /// The proxy's SQLite database file.
+    pub db: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl World {
+    /// Starts an upstream and a proxy with the configuration text `config`
+    /// (none: the defaults).
+    pub fn start(config: Option<&str>) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let db = dir.path().join("idem.db");
+        let up = Upstream::start()?;
+        let proxy = serve(&up.url(), &db, config)?;
+        Ok(Self {
+            proxy,
+            up,
+            db,
+            _dir: dir,
+        })
+    }
+
+    /// Replaces the proxy with a new process on the same database.
+    #[allow(dead_code)] // Not every suite restarts its proxy.
+    pub fn restart(&mut self, config: Option<&str>) -> Result<()> {
+        self.proxy.kill()?;
+        self.proxy = serve(&self.up.url(), &self.db, config)?;
+        Ok(())
+    }
+}
+
+/// Starts `idem serve` on `db` in front of `upstream`.
+pub fn serve(upstream: &str, db: &Path, config: Option<&str>) -> Result<Proxy> {
+    let mut s = Serve::new(upstream, db);
+    if let Some(c) = config {
+        s = s.config(c);
+    }
+    s.start()
+}
