@@ -4,12 +4,9 @@
 use std::env;
 use std::path::PathBuf;
 
-#[path = "host/build_component.rs"]
-mod build_component;
-
 fn main() {
     let root = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
-    build_component::build_component(
+    idem_build::build_component(
         &root,
         "idem-misbehaving-guest",
         "idem_misbehaving_guest",

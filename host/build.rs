@@ -6,8 +6,6 @@
 use std::env;
 use std::path::PathBuf;
 
-mod build_component;
-
 fn main() {
     let manifest_dir =
         PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
@@ -15,11 +13,11 @@ fn main() {
         .parent()
         .expect("the host crate sits in the workspace");
     let watch = ["guest/src", "guest/Cargo.toml"];
-    build_component::build_component(root, "idem-guest", "idem_guest", &[], "idem_guest", &watch);
+    idem_build::build_component(root, "idem-guest", "idem_guest", &[], "idem_guest", &watch);
     if env::var_os("CARGO_FEATURE_MIDDLEWARE").is_some() {
         // The same crate with the `middleware` world: the same target
         // directory, so only the guest crate itself is compiled again.
-        build_component::build_component(
+        idem_build::build_component(
             root,
             "idem-guest",
             "idem_guest",

@@ -4,12 +4,15 @@
 //!
 //! The crate is built by a nested `cargo` with its own target directory (as
 //! wasmtime's test-programs do), so it never waits on the outer build's lock.
+//! The target is checked (and added where rustup can) before that build.
 
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUEST_TARGET: &str = "wasm32-wasip2";
+use crate::target::{GUEST_TARGET, ensure_target_for_build};
+
+/// The cargo profile the guests are built with (the workspace defines it).
 const GUEST_PROFILE: &str = "guest";
 
 /// Builds `package` (a workspace member under `root`) for `wasm32-wasip2`
@@ -26,6 +29,7 @@ pub fn build_component(
     dest_stem: &str,
     watch: &[&str],
 ) {
+    ensure_target_for_build(root);
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
     let target_dir = out_dir.join("guest-target");
 
