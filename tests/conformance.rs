@@ -60,7 +60,7 @@ fn new_key_executes(h: &Harness) -> Result<()> {
         "{s:?}"
     );
     ensure!(
-        s.fingerprint.len() == 64 && s.fingerprint_version == 1,
+        s.fingerprint.len() == 64 && s.fingerprint_version == 2,
         "{s:?}"
     );
     Ok(())
@@ -281,7 +281,7 @@ fn different_body_is_mismatch(h: &Harness) -> Result<()> {
     match h.engine.begin(&other)? {
         Decision::Mismatch(m) => {
             ensure!(
-                m.stored_prefix == stored_fp[..8] && m.stored_version == 1,
+                m.stored_prefix == stored_fp[..8] && m.stored_version == 2,
                 "{m:?}"
             )
         }

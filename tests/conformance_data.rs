@@ -786,6 +786,13 @@ impl Ctx {
                 if let Some(lease) = step["set"].get("lease-until") {
                     rec.lease_until = lease.as_u64().map(|t| T0 + t);
                 }
+                if let Some(fingerprint) = step["set"].get("fingerprint") {
+                    rec.fingerprint = str_of(fingerprint)?;
+                }
+                if let Some(version) = step["set"].get("fingerprint-version") {
+                    rec.fingerprint_version =
+                        u32::try_from(version.as_u64().context("fingerprint-version")?)?;
+                }
                 rec.revision += 1;
                 if store.compare_and_swap(revision, &rec)? != SwapOutcome::Swapped {
                     bail!("the tampering write did not land");
@@ -846,10 +853,13 @@ fn run_scenario(harness: &dyn Harness, scenario: &Value) -> Result<(), String> {
     Ok(())
 }
 
-/// The version-1 fingerprint computed here, independently of the guest.
+/// The fingerprint version the vectors are for: the component's current one.
+const FINGERPRINT_VERSION: u64 = 2;
+
+/// The version-2 fingerprint computed here, independently of the guest.
 fn fingerprint(attributes: &[(String, String)], raw: bool, form: &[u8]) -> Result<String> {
     let mut h = Sha256::new();
-    h.update(b"idem-fp/1\x00");
+    h.update(format!("idem-fp/{FINGERPRINT_VERSION}\0").as_bytes());
     h.update(u32::try_from(attributes.len())?.to_be_bytes());
     for (n, v) in attributes {
         h.update(u32::try_from(n.len())?.to_be_bytes());
@@ -954,6 +964,12 @@ fn run_all(harness: &dyn Harness) -> Result<()> {
         }
     }
     let vectors = load(&conformance_dir().join("fingerprints.json"))?;
+    if vectors["version"].as_u64() != Some(FINGERPRINT_VERSION) {
+        bail!(
+            "fingerprints.json is for version {}, this runner computes version {FINGERPRINT_VERSION}",
+            vectors["version"]
+        );
+    }
     for p in vectors["pairs"].as_array().context("pairs")? {
         let name = format!("fingerprint {}", p["name"].as_str().unwrap_or("?"));
         tally(name, run_pair(harness, p))?;

@@ -3,7 +3,9 @@
 //!
 //! - `tree`: this crate's own tree-building path (what [`select`] uses,
 //!   here with the empty pointer, so it canonicalizes the whole document);
-//! - `serde_json_canonicalizer`: a maintained RFC 8785 crate.
+//! - `serde_json_canonicalizer`: a maintained RFC 8785 crate;
+//! - `exact numbers (v2)`: the same canonicalizer with fingerprint version
+//!   2's numbers ([`Numbers::Exact`]), what the engine hashes now.
 //!
 //! `cargo bench -p idem-guest --bench canonical` (add `-- --smoke` for a
 //! tiny run). Prints µs per document and each reference ÷ `canonicalize`.
@@ -12,7 +14,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use idem_guest::canonical::{canonicalize, select};
+use idem_guest::canonical::{Numbers, canonicalize, canonicalize_as, select};
 
 // The same bodies as the host suite's guest measurements.
 #[path = "../../host/benches/suite/body.rs"]
@@ -52,9 +54,9 @@ fn main() -> Result<()> {
         println!("smoke run: tiny counts, a check that the bench works, not a measurement");
     }
     println!(
-        "| body | canonicalize | tree | tree ÷ canonicalize | serde_json_canonicalizer | it ÷ canonicalize |"
+        "| body | canonicalize | tree | tree ÷ canonicalize | serde_json_canonicalizer | it ÷ canonicalize | exact numbers (v2) | v2 ÷ canonicalize |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for (size, label) in [(200, "200 B"), (4 << 10, "4 KiB"), (64 << 10, "64 KiB")] {
         let body = json_body(size);
         let text = body.as_bytes();
@@ -67,9 +69,11 @@ fn main() -> Result<()> {
         );
         let theirs = serde_json_canonicalizer::pipe(&body)?;
         ensure!(theirs.as_bytes() == ours, "reference crate differs");
+        // Fingerprint version 2 writes ordinary numbers as RFC 8785 does.
+        ensure!(canonicalize_as(text, Numbers::Exact)? == ours, "version 2 differs");
 
         let reps = (budget / size).max(1);
-        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
             a.push(per_doc(reps, || Ok(canonicalize(black_box(text))?.len()))?);
             b.push(per_doc(
@@ -79,16 +83,21 @@ fn main() -> Result<()> {
             c.push(per_doc(reps, || {
                 Ok(serde_json_canonicalizer::pipe(black_box(&body))?.len())
             })?);
+            d.push(per_doc(reps, || {
+                Ok(canonicalize_as(black_box(text), Numbers::Exact)?.len())
+            })?);
         }
-        let (a, b, c) = (median(a), median(b), median(c));
+        let (a, b, c, d) = (median(a), median(b), median(c), median(d));
         let us = |d: Duration| d.as_secs_f64() * 1e6;
         println!(
-            "| {label} | {:.2} µs | {:.2} µs | {:.2} | {:.2} µs | {:.2} |",
+            "| {label} | {:.2} µs | {:.2} µs | {:.2} | {:.2} µs | {:.2} | {:.2} µs | {:.2} |",
             us(a),
             us(b),
             us(b) / us(a),
             us(c),
-            us(c) / us(a)
+            us(c) / us(a),
+            us(d),
+            us(d) / us(a)
         );
     }
     Ok(())

@@ -8,16 +8,22 @@
 //! - object members sorted by the UTF-16 code units of their names (as
 //!   JavaScript's `Array.prototype.sort` does), which differs from UTF-8 byte
 //!   order for names with characters above U+FFFF;
-//! - every number is read as an IEEE-754 double (large integers round as in
+//! - with [`Numbers::Double`] (RFC 8785, fingerprint version 1), every
+//!   number is read as an IEEE-754 double (large integers round as in
 //!   JavaScript) and written as ECMAScript's `Number.prototype.toString`
-//!   does; `-0` is written as `0`;
+//!   does; `-0` is written as `0`. With [`Numbers::Exact`] (fingerprint
+//!   version 2), a number keeps that form only when it is the number's
+//!   exact value, and is otherwise written exactly (see [`crate::number`]):
+//!   numbers that differ never meet;
 //! - strings are written as `JSON.stringify` does: `\"`, `\\`, `\b`, `\f`,
 //!   `\n`, `\r`, `\t`, other control characters below U+0020 as `\u00xx`
 //!   (lowercase hex), everything else as literal UTF-8.
 //!
 //! Stricter than RFC 8259 demands, and on purpose: duplicate object names,
-//! invalid UTF-8, lone surrogates in `\u` escapes, numbers beyond the double
-//! range, trailing characters and nesting deeper than 128 levels are errors.
+//! invalid UTF-8, lone surrogates in `\u` escapes, trailing characters and
+//! nesting deeper than 128 levels are errors, and so are numbers beyond the
+//! double range with [`Numbers::Double`] (with [`Numbers::Exact`] they keep
+//! their exact value; only an exponent of more than 18 digits is refused).
 //!
 //! [`select`] canonicalizes only the parts of a document that a list of JSON
 //! Pointers selects, for fingerprints that must ignore volatile fields.
@@ -26,19 +32,28 @@ use alloc::borrow::Cow;
 use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
-use core::cell::RefCell;
+use core::cell::{Cell, RefCell};
 use core::cmp::Ordering;
 use core::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
+use crate::number::{self, Tokens};
+
 /// The longest object name, in characters, that an error message quotes.
 const MAX_QUOTED_KEY_CHARS: usize = 64;
 
-/// 2^53: every integer up to this magnitude is a double exactly, and
-/// ECMAScript writes it as plain digits, so it is formatted as an integer
-/// (faster than the shortest-round-trip algorithm, same text).
-const MAX_EXACT_INTEGER: f64 = 9_007_199_254_740_992.0;
+/// How numbers are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Numbers {
+    /// RFC 8785: every number as the IEEE-754 double nearest to it, written
+    /// as ECMAScript writes it. Fingerprint version 1.
+    Double,
+    /// RFC 8785's form when it is the number's exact value, the exact
+    /// normal form `[-]DIGITS E EXPONENT` otherwise ([`crate::number`]).
+    /// Fingerprint version 2.
+    Exact,
+}
 
 /// Why a document could not be canonicalized.
 ///
@@ -119,22 +134,62 @@ impl core::error::Error for CanonError {}
 /// nests deeper than 128 levels), [`CanonError::DuplicateKey`] when an object
 /// has two members with the same name.
 pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonError> {
-    // Written while parsing, without a tree: names and strings are escaped
-    // straight from the input, and an object's members are moved into
-    // order only when they did not arrive in order.
-    let writer = Writer {
-        out: RefCell::new(Vec::with_capacity(json.len())),
-        members: RefCell::new(Vec::new()),
-        scratch: RefCell::new(Vec::new()),
-        duplicate: RefCell::new(None),
-    };
-    let mut de = serde_json::Deserializer::from_slice(json);
-    WriteSeed { w: &writer }
-        .deserialize(&mut de)
-        .and_then(|()| de.end())
-        .map_err(|err| parse_error(&err, writer.duplicate.take()))?;
-    Ok(writer.out.into_inner())
+    canonicalize_as(json, Numbers::Double)
 }
+
+/// Returns the canonical form of the JSON text `json`, with numbers
+/// written as `numbers` says.
+///
+/// # Errors
+///
+/// As [`canonicalize`]; with [`Numbers::Exact`], a number beyond the double
+/// range is no error, but an exponent of more than 18 digits is.
+pub fn canonicalize_as(json: &[u8], numbers: Numbers) -> Result<Vec<u8>, CanonError> {
+    beyond_doubles(json, numbers, |text, reader| {
+        // Written while parsing, without a tree: names and strings are
+        // escaped straight from the input, and an object's members are
+        // moved into order only when they did not arrive in order.
+        let writer = Writer {
+            out: RefCell::new(Vec::with_capacity(json.len())),
+            members: RefCell::new(Vec::new()),
+            scratch: RefCell::new(Vec::new()),
+            duplicate: RefCell::new(None),
+            numbers: reader,
+        };
+        let mut de = serde_json::Deserializer::from_slice(text);
+        WriteSeed { w: &writer }
+            .deserialize(&mut de)
+            .and_then(|()| de.end())
+            .map_err(|err| parse_error(&err, writer.duplicate.take()))?;
+        Ok(writer.out.into_inner())
+    })
+}
+
+/// Runs `parse` on `json` with a [`NumberReader`]; with [`Numbers::Exact`],
+/// when the parser refused a number beyond the double range, runs it again
+/// on a copy where such numbers are blanked out, reading every number's
+/// text from `json` itself.
+fn beyond_doubles<T>(
+    json: &[u8],
+    numbers: Numbers,
+    parse: impl Fn(&[u8], NumberReader<'_>) -> Result<T, CanonError>,
+) -> Result<T, CanonError> {
+    let first = parse(json, NumberReader::new(json, numbers, false));
+    match first {
+        Err(CanonError::Syntax { ref reason, .. })
+            if numbers == Numbers::Exact && reason.as_str() == OUT_OF_RANGE =>
+        {
+            match number::without_overflow(json) {
+                Some(copy) => parse(&copy, NumberReader::new(json, numbers, true)),
+                None => first,
+            }
+        }
+        other => other,
+    }
+}
+
+/// serde_json's reason for a number beyond the double range.
+const OUT_OF_RANGE: &str = "number out of range";
 
 /// Returns the canonical form of the JSON object whose member names are
 /// `pointers` and whose values are what each pointer selects in the JSON
@@ -150,10 +205,23 @@ pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonError> {
 /// only the selected parts), and [`CanonError::InvalidPointer`] for a pointer
 /// that [`is_valid_pointer`] refuses.
 pub fn select(json: &[u8], pointers: &[String]) -> Result<Vec<u8>, CanonError> {
+    select_as(json, pointers, Numbers::Double)
+}
+
+/// As [`select`], with numbers written as `numbers` says.
+///
+/// # Errors
+///
+/// As [`select`], and for numbers as [`canonicalize_as`].
+pub fn select_as(
+    json: &[u8],
+    pointers: &[String],
+    numbers: Numbers,
+) -> Result<Vec<u8>, CanonError> {
     if let Some(index) = pointers.iter().position(|p| !is_valid_pointer(p)) {
         return Err(CanonError::InvalidPointer { index });
     }
-    let root = parse(json)?;
+    let root = beyond_doubles(json, numbers, |text, reader| parse(text, &reader))?;
     let mut members: Vec<(&str, &Node)> = pointers
         .iter()
         .filter_map(|p| resolve(&root, p).map(|node| (p.as_str(), node)))
@@ -199,7 +267,8 @@ pub fn is_valid_pointer(p: &str) -> bool {
 enum Node {
     Null,
     Bool(bool),
-    Number(f64),
+    /// The number's canonical text.
+    Number(Vec<u8>),
     String(String),
     Array(Vec<Node>),
     Object(Vec<(String, Node)>),
@@ -211,11 +280,12 @@ fn utf16_cmp(a: &str, b: &str) -> Ordering {
 }
 
 /// Parses `json` into a [`Node`] tree, refusing duplicate object names.
-fn parse(json: &[u8]) -> Result<Node, CanonError> {
+fn parse(json: &[u8], numbers: &NumberReader<'_>) -> Result<Node, CanonError> {
     let duplicate: RefCell<Option<String>> = RefCell::new(None);
     let mut de = serde_json::Deserializer::from_slice(json);
     NodeSeed {
         duplicate: &duplicate,
+        numbers,
     }
     .deserialize(&mut de)
     .and_then(|node| de.end().map(|()| node))
@@ -258,11 +328,90 @@ fn parse_error(err: &serde_json::Error, duplicate: Option<String>) -> CanonError
 /// `"name":value` text lies in the output), shared so that objects need no
 /// allocation of their own; a buffer reused to reorder members; and the
 /// first duplicate name met (serde's error type cannot carry it).
-struct Writer<'de> {
+struct Writer<'de, 't> {
     out: RefCell<Vec<u8>>,
     members: RefCell<Vec<Member<'de>>>,
     scratch: RefCell<Vec<u8>>,
     duplicate: RefCell<Option<String>>,
+    numbers: NumberReader<'t>,
+}
+
+/// Writes the numbers of one document as [`Numbers`] says. The parser
+/// hands over numbers as values; the exact form needs their text, which
+/// is found in the document by counting numbers (the parser visits them
+/// in document order).
+struct NumberReader<'t> {
+    numbers: Numbers,
+    tokens: RefCell<Tokens<'t>>,
+    seen: Cell<usize>,
+    /// Read every number from its text, also integers the parser read
+    /// exactly (whose text was blanked out in the parser's copy).
+    all_from_text: bool,
+}
+
+impl<'t> NumberReader<'t> {
+    fn new(text: &'t [u8], numbers: Numbers, all_from_text: bool) -> Self {
+        NumberReader {
+            numbers,
+            tokens: RefCell::new(Tokens::new(text)),
+            seen: Cell::new(0),
+            all_from_text,
+        }
+    }
+
+    /// This number's index in the document.
+    fn next_index(&self) -> usize {
+        let index = self.seen.get();
+        self.seen.set(index + 1);
+        index
+    }
+
+    /// Writes an integer the parser read exactly.
+    fn integer(
+        &self,
+        out: &mut Vec<u8>,
+        negative: bool,
+        magnitude: u64,
+    ) -> Result<(), &'static str> {
+        let index = self.next_index();
+        match self.numbers {
+            Numbers::Double => {
+                // Rounds to the nearest double, ties to even, as JavaScript
+                // reads the same decimal integer.
+                #[allow(clippy::cast_precision_loss)]
+                let v = magnitude as f64;
+                number::write_double(out, if negative { -v } else { v });
+                Ok(())
+            }
+            Numbers::Exact if self.all_from_text => self.write_from_text(out, index),
+            Numbers::Exact => {
+                number::write_exact_u64(out, negative, magnitude);
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes a number the parser read as a double.
+    fn double(&self, out: &mut Vec<u8>, v: f64) -> Result<(), &'static str> {
+        let index = self.next_index();
+        match self.numbers {
+            Numbers::Double if v.is_finite() => {
+                number::write_double(out, v);
+                Ok(())
+            }
+            Numbers::Double => Err(OUT_OF_RANGE),
+            Numbers::Exact => self.write_from_text(out, index),
+        }
+    }
+
+    fn write_from_text(&self, out: &mut Vec<u8>, index: usize) -> Result<(), &'static str> {
+        let token = self
+            .tokens
+            .borrow_mut()
+            .nth(index)
+            .ok_or("a number the parser read is not in the text")?;
+        number::write_exact(out, token).map_err(number::NumberError::reason)
+    }
 }
 
 /// An object member's name and the range of its `"name":value` text.
@@ -270,19 +419,19 @@ type Member<'de> = (Cow<'de, str>, usize, usize);
 
 /// Deserializes one JSON value by writing its canonical form to the end of
 /// the writer's output.
-struct WriteSeed<'w, 'de> {
-    w: &'w Writer<'de>,
+struct WriteSeed<'w, 'de, 't> {
+    w: &'w Writer<'de, 't>,
 }
 
 // Derived `Clone`/`Copy` would demand `Writer: Copy`.
-impl Clone for WriteSeed<'_, '_> {
+impl Clone for WriteSeed<'_, '_, '_> {
     fn clone(&self) -> Self {
         *self
     }
 }
-impl Copy for WriteSeed<'_, '_> {}
+impl Copy for WriteSeed<'_, '_, '_> {}
 
-impl<'de> DeserializeSeed<'de> for WriteSeed<'_, 'de> {
+impl<'de> DeserializeSeed<'de> for WriteSeed<'_, 'de, '_> {
     type Value = ();
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
@@ -290,7 +439,7 @@ impl<'de> DeserializeSeed<'de> for WriteSeed<'_, 'de> {
     }
 }
 
-impl<'de> Visitor<'de> for WriteSeed<'_, 'de> {
+impl<'de> Visitor<'de> for WriteSeed<'_, 'de, '_> {
     type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -309,23 +458,21 @@ impl<'de> Visitor<'de> for WriteSeed<'_, 'de> {
     }
 
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
-        // Rounds to the nearest double, ties to even, as JavaScript reads
-        // the same decimal integer.
-        write_number(&mut self.w.out.borrow_mut(), v as f64);
-        Ok(())
+        let out = &mut self.w.out.borrow_mut();
+        self.w
+            .numbers
+            .integer(out, v < 0, v.unsigned_abs())
+            .map_err(E::custom)
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
-        write_number(&mut self.w.out.borrow_mut(), v as f64);
-        Ok(())
+        let out = &mut self.w.out.borrow_mut();
+        self.w.numbers.integer(out, false, v).map_err(E::custom)
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
-        if !v.is_finite() {
-            return Err(E::custom("number out of range"));
-        }
-        write_number(&mut self.w.out.borrow_mut(), v);
-        Ok(())
+        let out = &mut self.w.out.borrow_mut();
+        self.w.numbers.double(out, v).map_err(E::custom)
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
@@ -443,11 +590,12 @@ impl<'de> Visitor<'de> for NameSeed {
 /// Deserializes one [`Node`]; records the first duplicate name it meets in
 /// `duplicate` (serde's error type cannot carry it).
 #[derive(Clone, Copy)]
-struct NodeSeed<'a> {
+struct NodeSeed<'a, 't> {
     duplicate: &'a RefCell<Option<String>>,
+    numbers: &'a NumberReader<'t>,
 }
 
-impl<'de> DeserializeSeed<'de> for NodeSeed<'_> {
+impl<'de> DeserializeSeed<'de> for NodeSeed<'_, '_> {
     type Value = Node;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Node, D::Error> {
@@ -455,7 +603,7 @@ impl<'de> DeserializeSeed<'de> for NodeSeed<'_> {
     }
 }
 
-impl<'de> Visitor<'de> for NodeSeed<'_> {
+impl<'de> Visitor<'de> for NodeSeed<'_, '_> {
     type Value = Node;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -471,21 +619,25 @@ impl<'de> Visitor<'de> for NodeSeed<'_> {
     }
 
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<Node, E> {
-        // Rounds to the nearest double, ties to even, as JavaScript reads
-        // the same decimal integer.
-        Ok(Node::Number(v as f64))
+        let mut text = Vec::new();
+        self.numbers
+            .integer(&mut text, v < 0, v.unsigned_abs())
+            .map_err(E::custom)?;
+        Ok(Node::Number(text))
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Node, E> {
-        Ok(Node::Number(v as f64))
+        let mut text = Vec::new();
+        self.numbers
+            .integer(&mut text, false, v)
+            .map_err(E::custom)?;
+        Ok(Node::Number(text))
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Node, E> {
-        if v.is_finite() {
-            Ok(Node::Number(v))
-        } else {
-            Err(E::custom("number out of range"))
-        }
+        let mut text = Vec::new();
+        self.numbers.double(&mut text, v).map_err(E::custom)?;
+        Ok(Node::Number(text))
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Node, E> {
@@ -573,7 +725,7 @@ fn write_node(out: &mut Vec<u8>, node: &Node) {
         Node::Null => out.extend_from_slice(b"null"),
         Node::Bool(true) => out.extend_from_slice(b"true"),
         Node::Bool(false) => out.extend_from_slice(b"false"),
-        Node::Number(v) => write_number(out, *v),
+        Node::Number(text) => out.extend_from_slice(text),
         Node::String(s) => write_string(out, s),
         Node::Array(items) => {
             out.push(b'[');
@@ -598,28 +750,6 @@ fn write_node(out: &mut Vec<u8>, node: &Node) {
             out.push(b'}');
         }
     }
-}
-
-/// Writes a finite double as ECMAScript's Number-to-String does.
-fn write_number(out: &mut Vec<u8>, v: f64) {
-    if v == 0.0 {
-        // Both +0 and -0.
-        out.push(b'0');
-        return;
-    }
-    if (-MAX_EXACT_INTEGER..=MAX_EXACT_INTEGER).contains(&v) {
-        // Integers are most of the numbers in requests; ECMAScript writes
-        // them as plain digits. In this range `as` is exact both ways, so
-        // the round trip tells an integer from a fraction.
-        let int = v as i64;
-        if int as f64 == v {
-            let mut buffer = itoa::Buffer::new();
-            out.extend_from_slice(buffer.format(int).as_bytes());
-            return;
-        }
-    }
-    let mut buffer = ryu_js::Buffer::new();
-    out.extend_from_slice(buffer.format(v).as_bytes());
 }
 
 /// Writes `s` as a JSON string, escaped as RFC 8785 §3.2.2.2 requires.
@@ -843,7 +973,7 @@ mod tests {
             let text = format!("{v:e}");
             assert_eq!(canon(&text), expected, "bits {bits:#018x} spelled {text}");
             let mut out = Vec::new();
-            write_number(&mut out, v);
+            crate::number::write_double(&mut out, v);
             assert_eq!(out, expected.as_bytes(), "bits {bits:#018x}");
         }
     }
@@ -1288,5 +1418,86 @@ mod tests {
             };
             prop_assert_eq!(is_valid_pointer(&p), expected);
         }
+    }
+
+    fn exact(s: &str) -> String {
+        match canonicalize_as(s.as_bytes(), Numbers::Exact) {
+            Ok(bytes) => String::from_utf8(bytes).expect("canonical output is UTF-8"),
+            Err(e) => panic!("canonicalize_as({s:?}) failed: {e}"),
+        }
+    }
+
+    #[test]
+    fn exact_numbers_keep_values_a_double_loses() {
+        assert_eq!(
+            exact(r#"{"b":[9007199254740993,1.0,-0],"a":{"id":18446744073709551616,"x":0.1}}"#),
+            r#"{"a":{"id":18446744073709551616E0,"x":0.1},"b":[9007199254740993E0,1,0]}"#
+        );
+        assert_eq!(
+            exact("[-9223372036854775808, 9223372036854775807]"),
+            "[-9223372036854775808E0,9223372036854775807E0]"
+        );
+        assert_ne!(exact("[9007199254740993]"), exact("[9007199254740992]"));
+        assert_eq!(exact("[9007199254740992]"), canon("[9007199254740992]"));
+        // RFC 8785's own example number has more digits than a double
+        // keeps: version 2 keeps them.
+        assert_eq!(exact("[333333333.33333329]"), "[33333333333333329E-8]");
+    }
+
+    #[test]
+    fn exact_numbers_agree_with_rfc8785_on_ordinary_documents() {
+        for doc in [
+            r#"{"numbers":[333333333.3333333,1E30,4.50,2e-3,0.000000000000000000000000001]}"#,
+            r#"{"amount":100,"currency":"EUR","rate":1.25,"n":-7,"big":1e21}"#,
+            r#"[0,-0,1e-7,123456789,0.5]"#,
+        ] {
+            assert_eq!(exact(doc), canon(doc), "{doc}");
+        }
+    }
+
+    #[test]
+    fn exact_numbers_beyond_the_double_range_are_kept() {
+        assert_eq!(
+            exact(r#"{"z":1e400,"a":[-1E999,1,2.5]}"#),
+            r#"{"a":[-1E999,1,2.5],"z":1E400}"#
+        );
+        assert_ne!(exact("[1e400]"), exact("[1e401]"));
+        assert_eq!(exact("[1e400]"), exact("[10e399]"));
+        assert_eq!(exact("[1e-400]"), "[1E-400]");
+        // Strings that look like numbers are not numbers.
+        assert_eq!(
+            exact(r#"{"s":"1e400","n":1e400}"#),
+            r#"{"n":1E400,"s":"1e400"}"#
+        );
+    }
+
+    #[test]
+    fn exact_numbers_with_a_huge_exponent_are_refused_with_a_position() {
+        let err =
+            canonicalize_as(b"[1,\n 1e1234567890123456789]", Numbers::Exact).expect_err("refused");
+        let CanonError::Syntax { line, reason, .. } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(*line, 2, "{err}");
+        assert!(reason.contains("exponent"), "{err}");
+        // Other errors stay what they were, also after an overflow.
+        let err = canonicalize_as(b"[1e400,]", Numbers::Exact).expect_err("refused");
+        assert!(matches!(err, CanonError::Syntax { .. }), "{err}");
+        let err = canonicalize_as(br#"{"a":1e400,"a":2}"#, Numbers::Exact).expect_err("dup");
+        assert!(matches!(err, CanonError::DuplicateKey { .. }), "{err}");
+    }
+
+    #[test]
+    fn exact_selection() {
+        let pointers = vec!["/id".to_string(), "/big".to_string()];
+        let out = select_as(
+            br#"{"big":1e400,"id":9007199254740993,"ts":1}"#,
+            &pointers,
+            Numbers::Exact,
+        )
+        .expect("select");
+        assert_eq!(out, br#"{"/big":1E400,"/id":9007199254740993E0}"#);
+        let out = select_as(br#"{"id":1.0,"ts":1}"#, &pointers, Numbers::Exact).expect("select");
+        assert_eq!(out, br#"{"/id":1}"#);
     }
 }

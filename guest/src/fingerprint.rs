@@ -1,10 +1,29 @@
-//! The request fingerprint, version 1.
+//! The request fingerprint, versions 1 and 2.
 //!
 //! A fingerprint tells whether two requests that carry the same key are the
 //! same request. It is the lowercase hex SHA-256 (64 characters) of the
 //! canonical form below. Stored records keep the fingerprint together with
-//! [`FINGERPRINT_VERSION`]; the form is a published contract and never
-//! changes within a version.
+//! its version; the form is a published contract and never changes within
+//! a version. New records get [`FINGERPRINT_VERSION`]; a record of an older
+//! version is compared with the fingerprint of that version
+//! ([`fingerprint_of_version`]), so an upgrade never turns a live key's
+//! retry into a mismatch.
+//!
+//! # Canonical form, version 2 (current)
+//!
+//! As version 1 below, with two differences:
+//!
+//! - the domain bytes are `idem-fp/2` and `0x00`;
+//! - JSON numbers keep their exact value where a double would lose it
+//!   ([`crate::canonical::Numbers::Exact`], defined in [`crate::number`]):
+//!   a number is written as RFC 8785 writes it when that is its exact
+//!   decimal value (`1`, `1.0` and `1e0` are `1`; `0.1` is `0.1`), and
+//!   otherwise as `[-]DIGITS E EXPONENT`, its significant digits without
+//!   leading or trailing zeros and the power of ten (`9007199254740993` is
+//!   `9007199254740993E0`, `1e400` is `1E400`). Two numbers then agree
+//!   exactly when they are the same decimal value: 64-bit ids, card and
+//!   account numbers sent as JSON numbers never collide. Numbers beyond the
+//!   double range are accepted; an exponent of more than 18 digits is not.
 //!
 //! # Canonical form, version 1
 //!
@@ -20,7 +39,9 @@
 //! 5. the length in bytes of the body form as a `u64`, then the body form:
 //!    - `raw`: the body bytes exactly as given;
 //!    - `json` with no fingerprint fields: the RFC 8785 canonical form of
-//!      the body ([`crate::canonical::canonicalize`]);
+//!      the body ([`crate::canonical::canonicalize`]; every number read as
+//!      a double, so integers beyond 2^53 round, and numbers beyond the
+//!      double range are `not-json`);
 //!    - `json` with fingerprint fields: the RFC 8785 canonical form of the
 //!      JSON object whose member names are the fields (RFC 6901 JSON
 //!      Pointers) and whose values are what each selects in the body; a
@@ -39,16 +60,58 @@ use sha2::{Digest, Sha256};
 use crate::bindings::exports::idem::engine::engine::{
     BodyKind, InputField, InputRule, InvalidInput,
 };
-use crate::canonical;
+use crate::canonical::{self, Numbers};
 
 /// The version of the canonical form that [`fingerprint`] hashes; stored
-/// with every fingerprint.
-pub const FINGERPRINT_VERSION: u32 = 1;
+/// with every new record.
+pub const FINGERPRINT_VERSION: u32 = 2;
 
-/// The bytes that open the canonical form of version 1.
-const DOMAIN: &[u8] = b"idem-fp/1\x00";
+/// Each version this engine computes: its number, the bytes that open its
+/// canonical form, and how it writes numbers.
+const VERSIONS: [(u32, &[u8], Numbers); 2] = [
+    (1, b"idem-fp/1\x00", Numbers::Double),
+    (2, b"idem-fp/2\x00", Numbers::Exact),
+];
 
-/// Computes the version-1 fingerprint of a request: 64 lowercase hex digits.
+/// Computes the current ([`FINGERPRINT_VERSION`]) fingerprint of a
+/// request: 64 lowercase hex digits.
+///
+/// # Errors
+///
+/// As [`fingerprint_of_version`].
+pub fn fingerprint(
+    attributes: &[(String, String)],
+    kind: BodyKind,
+    body: &[u8],
+    fields: &[String],
+) -> Result<String, InvalidInput> {
+    let (_, domain, numbers) = CURRENT;
+    hash(domain, numbers, attributes, kind, body, fields)
+}
+
+/// The current version's entry of [`VERSIONS`].
+const CURRENT: (u32, &[u8], Numbers) = VERSIONS[VERSIONS.len() - 1];
+const _: () = assert!(CURRENT.0 == FINGERPRINT_VERSION);
+
+/// Computes the fingerprint of a request with the canonical form of
+/// `version`, or `None` when this engine does not know that version (a
+/// record written by a newer engine).
+///
+/// # Errors
+///
+/// As below, inside the `Some`.
+pub fn fingerprint_of_version(
+    version: u32,
+    attributes: &[(String, String)],
+    kind: BodyKind,
+    body: &[u8],
+    fields: &[String],
+) -> Option<Result<String, InvalidInput>> {
+    let (_, domain, numbers) = VERSIONS.iter().find(|(v, _, _)| *v == version)?;
+    Some(hash(domain, *numbers, attributes, kind, body, fields))
+}
+
+/// Hashes a request's canonical form, opened with `domain`.
 ///
 /// # Errors
 ///
@@ -58,7 +121,9 @@ const DOMAIN: &[u8] = b"idem-fp/1\x00";
 ///   or a field is not a JSON Pointer;
 /// - `attributes`/`too-long` when a count or length does not fit its
 ///   length prefix (never for input that passed validation).
-pub fn fingerprint(
+fn hash(
+    domain: &[u8],
+    numbers: Numbers,
     attributes: &[(String, String)],
     kind: BodyKind,
     body: &[u8],
@@ -81,9 +146,9 @@ pub fn fingerprint(
         }
         BodyKind::Json => {
             let result = if fields.is_empty() {
-                canonical::canonicalize(body)
+                canonical::canonicalize_as(body, numbers)
             } else {
-                canonical::select(body, fields)
+                canonical::select_as(body, fields, numbers)
             };
             body_form = result.map_err(|err| match err {
                 canonical::CanonError::InvalidPointer { .. } => InvalidInput {
@@ -102,7 +167,7 @@ pub fn fingerprint(
     };
 
     let mut hasher = Sha256::new();
-    hasher.update(DOMAIN);
+    hasher.update(domain);
     hasher.update(len_u32(attributes.len(), "the attribute count")?);
     for (name, value) in attributes {
         hasher.update(len_u32(name.len(), "an attribute name")?);
@@ -159,16 +224,89 @@ mod tests {
         ps.iter().map(|p| p.to_string()).collect()
     }
 
+    /// Version 1, whose digests below are pinned: records written by
+    /// earlier engines keep matching.
     fn fp(a: &[(&str, &str)], kind: BodyKind, body: &str, f: &[&str]) -> String {
-        match fingerprint(&attrs(a), kind, body.as_bytes(), &fields(f)) {
+        match fingerprint_of_version(1, &attrs(a), kind, body.as_bytes(), &fields(f)) {
+            Some(Ok(d)) => d,
+            Some(Err(e)) => panic!("fingerprint failed: {}", e.message),
+            None => panic!("version 1 is unknown"),
+        }
+    }
+
+    /// The current version.
+    fn fp2(a: &[(&str, &str)], body: &str) -> String {
+        match fingerprint(&attrs(a), BodyKind::Json, body.as_bytes(), &[]) {
             Ok(d) => d,
             Err(e) => panic!("fingerprint failed: {}", e.message),
         }
     }
 
     #[test]
-    fn version_is_one() {
-        assert_eq!(FINGERPRINT_VERSION, 1);
+    fn version_is_two() {
+        assert_eq!(FINGERPRINT_VERSION, 2);
+    }
+
+    #[test]
+    fn version_two_digests_are_pinned() {
+        // Computed independently: SHA-256 of "idem-fp/2\0", a u32 0, "J",
+        // the u64 length and the canonical form.
+        assert_eq!(
+            fp2(&[], r#"{"b":2,"a":1}"#),
+            "8c1c7ea25b460c0bb65f799baeed47aa70ba98012cbbfca9d29cd503401978b0"
+        );
+        assert_eq!(
+            fp2(&[], "[9007199254740993]"),
+            "d7ef08c2ff267e93cb5fa7d16a5b3570552ab9b6ed90f178ee49ecdc2937d369"
+        );
+    }
+
+    #[test]
+    fn version_two_tells_large_numbers_apart() {
+        for (a, b) in [
+            ("[9007199254740993]", "[9007199254740992]"),
+            (
+                r#"{"account":-9223372036854775808}"#,
+                r#"{"account":-9223372036854775807}"#,
+            ),
+            ("[18446744073709551616]", "[18446744073709551615]"),
+            ("[1e400]", "[1e401]"),
+            ("[0.1]", "[0.10000000000000000001]"),
+        ] {
+            assert_ne!(fp2(&[], a), fp2(&[], b), "{a} vs {b}");
+        }
+        // Version 1 could not.
+        assert_eq!(
+            fp(&[], BodyKind::Json, "[9007199254740993]", &[]),
+            fp(&[], BodyKind::Json, "[9007199254740992]", &[])
+        );
+        // Spellings of one value still agree.
+        assert_eq!(fp2(&[], "[1.0]"), fp2(&[], "[1e0]"));
+        assert_eq!(fp2(&[], "[1]"), fp2(&[], "[1.0]"));
+        assert_eq!(
+            fp2(&[], "[9007199254740993]"),
+            fp2(&[], "[9.007199254740993e15]")
+        );
+    }
+
+    #[test]
+    fn versions_are_domain_separated_and_unknown_ones_are_none() {
+        let body = br#"{"a":1}"#;
+        let one = fingerprint_of_version(1, &[], BodyKind::Json, body, &[]);
+        let two = fingerprint_of_version(2, &[], BodyKind::Json, body, &[]);
+        assert_ne!(one, two);
+        assert_eq!(
+            two.clone().map(|r| r.ok()),
+            Some(fingerprint(&[], BodyKind::Json, body, &[]).ok())
+        );
+        assert!(fingerprint_of_version(0, &[], BodyKind::Json, body, &[]).is_none());
+        assert!(fingerprint_of_version(3, &[], BodyKind::Json, body, &[]).is_none());
+        // A body version 1 refuses is fine for version 2.
+        assert!(matches!(
+            fingerprint_of_version(1, &[], BodyKind::Json, b"[1e400]", &[]),
+            Some(Err(_))
+        ));
+        assert!(fingerprint(&[], BodyKind::Json, b"[1e400]", &[]).is_ok());
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod canonical;
 pub mod fingerprint;
 pub mod http;
 pub mod machine;
+pub mod number;
 pub mod validate;
 
 #[cfg(any(test, fuzzing))]

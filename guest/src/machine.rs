@@ -42,7 +42,7 @@ use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcom
 use crate::bindings::idem::engine::types::{
     Failure, RecordKey, Status, StoredRecord, Success, Timestamp,
 };
-use crate::fingerprint::{FINGERPRINT_VERSION, fingerprint};
+use crate::fingerprint::{FINGERPRINT_VERSION, fingerprint, fingerprint_of_version};
 use crate::validate;
 
 /// How many times one call re-reads and retries after another writer changed
@@ -270,6 +270,38 @@ fn unknown(rec: &StoredRecord, since: Timestamp) -> UnknownInfo {
     }
 }
 
+/// A request's fingerprint, and how it compares with a stored record's,
+/// whatever version the record was written with.
+struct RequestPrint<'r> {
+    req: &'r BeginRequest,
+    /// The current version's fingerprint, which new records get.
+    current: String,
+}
+
+impl RequestPrint<'_> {
+    /// True when `rec` was written for this request. A record of an older
+    /// version is compared with the request's fingerprint of that version,
+    /// computed here only then: an upgrade never turns a live key's retry
+    /// into a mismatch. A version this engine does not know (a newer
+    /// engine's), or a body that the record's version refuses, is never
+    /// the same request.
+    fn matches(&self, rec: &StoredRecord) -> bool {
+        if rec.fingerprint_version == FINGERPRINT_VERSION {
+            return rec.fingerprint == self.current;
+        }
+        let policy = &self.req.policy;
+        fingerprint_of_version(
+            rec.fingerprint_version,
+            &self.req.attributes,
+            self.req.body_kind,
+            &self.req.body,
+            &policy.fingerprint_fields,
+        )
+        .and_then(Result::ok)
+        .is_some_and(|old| old == rec.fingerprint)
+    }
+}
+
 /// What the stored record means for a new request.
 enum Assessment {
     /// Answer with this decision; nothing to write.
@@ -286,17 +318,17 @@ enum Assessment {
 
 fn assess(
     rec: &StoredRecord,
-    fp: &str,
+    print: &RequestPrint<'_>,
     now: Timestamp,
     policy: &Policy,
 ) -> Result<Assessment, EngineError> {
     if is_expired(rec, now) {
         return Ok(Assessment::Claim {
-            next: Box::new(replacement(rec, fp, now, policy)?),
+            next: Box::new(replacement(rec, &print.current, now, policy)?),
             reconcile_first: false,
         });
     }
-    if rec.fingerprint != fp || rec.fingerprint_version != FINGERPRINT_VERSION {
+    if !print.matches(rec) {
         let prefix = rec
             .fingerprint
             .get(..MISMATCH_PREFIX_DIGITS)
@@ -350,13 +382,13 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
         return Ok(Decision::Invalid(invalid));
     }
     let policy = &req.policy;
-    let fp = match fingerprint(
+    let print = match fingerprint(
         &req.attributes,
         req.body_kind,
         &req.body,
         &policy.fingerprint_fields,
     ) {
-        Ok(fp) => fp,
+        Ok(current) => RequestPrint { req, current },
         Err(invalid) => return Ok(Decision::Invalid(invalid)),
     };
     let key = &req.key;
@@ -373,7 +405,7 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
         let rec = match current.take() {
             Some(rec) => rec,
             None => match env
-                .insert_if_absent(&fresh(key, &fp, now, policy))
+                .insert_if_absent(&fresh(key, &print.current, now, policy))
                 .map_err(store)?
             {
                 InsertOutcome::Inserted(rec) => {
@@ -384,7 +416,7 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
             },
         };
         check_record(&rec, key)?;
-        match assess(&rec, &fp, now, policy)? {
+        match assess(&rec, &print, now, policy)? {
             Assessment::Answer(decision) => return Ok(decision),
             Assessment::Busy(b) => {
                 let (Some(until), InProgressMode::Wait(w)) = (wait_until, policy.in_progress)

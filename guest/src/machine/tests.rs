@@ -677,6 +677,38 @@ fn begin_on_a_record_of_another_fingerprint_version_is_a_mismatch() {
     );
 }
 
+/// The version-1 fingerprint of `begin` with body `n`.
+fn fp_v1(n: u32) -> String {
+    crate::fingerprint::fingerprint_of_version(1, &attributes(), BodyKind::Json, &body(n), &[])
+        .expect("version 1 is known")
+        .expect("a valid body")
+}
+
+#[test]
+fn begin_on_a_version_1_record_compares_the_version_1_fingerprint() {
+    let env = Fake::new();
+    let p = policy();
+    let (k, _) = settled_in(&env, Status::Succeeded, &p);
+    env.edit(&k, |r| {
+        r.fingerprint = fp_v1(1);
+        r.fingerprint_version = 1;
+    });
+    let before = env.snapshot();
+    assert!(matches!(decide(&env, &k, 1, &p), Decision::Replay(_)));
+    assert_eq!(
+        decide(&env, &k, 2, &p),
+        Decision::Mismatch(MismatchInfo {
+            stored_prefix: fp_v1(1)[..8].into(),
+            stored_version: 1,
+        })
+    );
+    // Nothing was rewritten: the record keeps its version.
+    assert_eq!(env.snapshot(), before);
+    // A record whose version-1 fingerprint is another request's mismatches.
+    env.edit(&k, |r| r.fingerprint = fp_v1(2));
+    assert!(matches!(decide(&env, &k, 1, &p), Decision::Mismatch(_)));
+}
+
 #[test]
 fn begin_after_a_final_failure_answers_failed() {
     let env = Fake::new();

@@ -442,6 +442,8 @@ class Ctx {
         const rec = this.host.store.records.get(keyId(key(step.key)));
         if (!rec) throw new Error("no record to tamper with");
         if ("lease-until" in step.set) rec.leaseUntil = step.set["lease-until"] === null ? undefined : T0 + BigInt(step.set["lease-until"]);
+        if ("fingerprint" in step.set) rec.fingerprint = str(step.set.fingerprint);
+        if ("fingerprint-version" in step.set) rec.fingerprintVersion = step.set["fingerprint-version"];
         rec.revision += 1n;
         return undefined;
       }
@@ -492,12 +494,15 @@ function runScenario(scenario) {
   });
 }
 
-/** The version-1 fingerprint, computed here with node:crypto, independently of the guest. */
+/** The fingerprint version the vectors are for: the component's current one. */
+const FINGERPRINT_VERSION = 2;
+
+/** The version-2 fingerprint, computed here with node:crypto, independently of the guest. */
 function fingerprint(attributes, raw, form) {
   const h = createHash("sha256");
   const u32 = (n) => { const b = Buffer.alloc(4); b.writeUInt32BE(n); return b; };
   const u64 = (n) => { const b = Buffer.alloc(8); b.writeBigUInt64BE(BigInt(n)); return b; };
-  h.update(Buffer.from("idem-fp/1\0", "latin1"));
+  h.update(Buffer.from(`idem-fp/${FINGERPRINT_VERSION}\0`, "latin1"));
   h.update(u32(attributes.length));
   for (const [n, v] of attributes) {
     const nb = Buffer.from(n, "utf8");
@@ -549,7 +554,11 @@ const dir = join(conformance, "scenarios");
 for (const file of readdirSync(dir).filter((f) => f.endsWith(".json")).sort()) {
   for (const s of JSON.parse(readFileSync(join(dir, file), "utf8")).scenarios) tally(s.name, () => runScenario(s));
 }
-for (const p of JSON.parse(readFileSync(join(conformance, "fingerprints.json"), "utf8")).pairs) {
+const vectors = JSON.parse(readFileSync(join(conformance, "fingerprints.json"), "utf8"));
+if (vectors.version !== FINGERPRINT_VERSION) {
+  throw new Error(`fingerprints.json is for version ${vectors.version}, this runner computes version ${FINGERPRINT_VERSION}`);
+}
+for (const p of vectors.pairs) {
   tally(`fingerprint ${p.name}`, () => runPair(p));
 }
 console.log(`${passed} passed, ${failed} failed`);

@@ -594,6 +594,10 @@ class Ctx:
             if "lease-until" in step["set"]:
                 lease = step["set"]["lease-until"]
                 setattr(rec, "lease-until", None if lease is None else T0 + lease)
+            if "fingerprint" in step["set"]:
+                setattr(rec, "fingerprint", step["set"]["fingerprint"])
+            if "fingerprint-version" in step["set"]:
+                setattr(rec, "fingerprint-version", step["set"]["fingerprint-version"])
             rec.revision += 1
             return NO_RESULT
         raise ValueError(f"unknown op {op}")
@@ -642,9 +646,13 @@ def run_scenario(runtime, scenario):
             raise Mismatch(f"step {i}: {ex}") from ex
 
 
+# The fingerprint version the vectors are for: the component's current one.
+FINGERPRINT_VERSION = 2
+
+
 def fingerprint(attributes, raw, form):
-    """The version-1 fingerprint, computed here with hashlib, independently of the guest."""
-    out = b"idem-fp/1\x00" + struct.pack(">I", len(attributes))
+    """The version-2 fingerprint, computed here with hashlib, independently of the guest."""
+    out = f"idem-fp/{FINGERPRINT_VERSION}\x00".encode() + struct.pack(">I", len(attributes))
     for name, value in attributes:
         n, v = name.encode("utf-8"), value.encode("utf-8")
         out += struct.pack(">I", len(n)) + n + struct.pack(">I", len(v)) + v
@@ -694,7 +702,11 @@ def main(argv):
     for file in sorted((CONFORMANCE / "scenarios").glob("*.json")):
         for s in json.loads(file.read_text(encoding="utf-8"))["scenarios"]:
             tally(s["name"], lambda s=s: run_scenario(runtime, s))
-    for p in json.loads((CONFORMANCE / "fingerprints.json").read_text(encoding="utf-8"))["pairs"]:
+    vectors = json.loads((CONFORMANCE / "fingerprints.json").read_text(encoding="utf-8"))
+    if vectors["version"] != FINGERPRINT_VERSION:
+        raise ValueError(f"fingerprints.json is for version {vectors['version']}, "
+                         f"this runner computes version {FINGERPRINT_VERSION}")
+    for p in vectors["pairs"]:
         tally(f"fingerprint {p['name']}", lambda p=p: run_pair(runtime, p))
     print(f"{passed} passed, {failed} failed")
     return 1 if failed or not passed else 0
