@@ -383,7 +383,7 @@ impl<'t> NumberReader<'t> {
                 number::write_double(out, if negative { -v } else { v });
                 Ok(())
             }
-            Numbers::Exact if self.all_from_text => self.write_from_text(out, index),
+            Numbers::Exact if self.all_from_text => self.write_from_text(out, index, None),
             Numbers::Exact => {
                 number::write_exact_u64(out, negative, magnitude);
                 Ok(())
@@ -400,17 +400,27 @@ impl<'t> NumberReader<'t> {
                 Ok(())
             }
             Numbers::Double => Err(OUT_OF_RANGE),
-            Numbers::Exact => self.write_from_text(out, index),
+            // The parser's double is the number's only when it read the
+            // text itself (not the blanked copy's `0`).
+            Numbers::Exact => {
+                let nearest = (!self.all_from_text).then_some(v);
+                self.write_from_text(out, index, nearest)
+            }
         }
     }
 
-    fn write_from_text(&self, out: &mut Vec<u8>, index: usize) -> Result<(), &'static str> {
+    fn write_from_text(
+        &self,
+        out: &mut Vec<u8>,
+        index: usize,
+        nearest: Option<f64>,
+    ) -> Result<(), &'static str> {
         let token = self
             .tokens
             .borrow_mut()
             .nth(index)
             .ok_or("a number the parser read is not in the text")?;
-        number::write_exact(out, token).map_err(number::NumberError::reason)
+        number::write_exact_near(out, token, nearest).map_err(number::NumberError::reason)
     }
 }
 

@@ -218,6 +218,17 @@ pub(crate) fn write_double(out: &mut Vec<u8>, v: f64) {
 /// Writes the number spelled `text` (a JSON number token) in the
 /// version-2 form.
 pub(crate) fn write_exact(out: &mut Vec<u8>, text: &[u8]) -> Result<(), NumberError> {
+    write_exact_near(out, text, None)
+}
+
+/// As [`write_exact`], given the double nearest the number when the
+/// parser has already read it (correctly rounded, as `serde_json` with
+/// `float_roundtrip` does), which saves reading it again.
+pub(crate) fn write_exact_near(
+    out: &mut Vec<u8>,
+    text: &[u8],
+    nearest: Option<f64>,
+) -> Result<(), NumberError> {
     let exact = parse(text)?;
     if exact.is_zero() {
         out.push(b'0');
@@ -225,10 +236,13 @@ pub(crate) fn write_exact(out: &mut Vec<u8>, text: &[u8]) -> Result<(), NumberEr
     }
     // The double nearest the number (core's parsing rounds correctly);
     // infinite beyond the double range, zero below it.
-    let double = core::str::from_utf8(text)
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .ok_or(NumberError::NotANumber)?;
+    let double = match nearest {
+        Some(v) => v,
+        None => core::str::from_utf8(text)
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .ok_or(NumberError::NotANumber)?,
+    };
     if double.is_finite() && double != 0.0 {
         let start = out.len();
         write_double(out, double);
@@ -294,15 +308,16 @@ impl<'a> Tokens<'a> {
             match b {
                 b'"' => {
                     self.pos += 1;
-                    while let Some(&c) = json.get(self.pos) {
-                        self.pos += match c {
-                            b'\\' => 2,
-                            b'"' => {
-                                self.pos += 1;
-                                break;
-                            }
-                            _ => 1,
-                        };
+                    // To the closing quote, stepping over escapes.
+                    while let Some(at) = json
+                        .get(self.pos..)
+                        .and_then(|rest| rest.iter().position(|&c| c == b'"' || c == b'\\'))
+                    {
+                        let quote = json.get(self.pos + at) == Some(&b'"');
+                        self.pos += at + if quote { 1 } else { 2 };
+                        if quote {
+                            break;
+                        }
                     }
                 }
                 b'-' | b'0'..=b'9' => {
