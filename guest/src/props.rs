@@ -19,8 +19,8 @@ use crate::bindings::exports::idem::engine::engine::{
 };
 use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
 use crate::bindings::idem::engine::types::{RecordKey, Status, StoredRecord, Success, Timestamp};
-use crate::canonical::{canonicalize, select};
-use crate::fingerprint::fingerprint;
+use crate::canonical::{Numbers, canonicalize, canonicalize_as, select};
+use crate::fingerprint::{fingerprint, fingerprint_of_version};
 use crate::machine::{self, Env};
 
 // ---------------------------------------------------------------------------
@@ -35,8 +35,20 @@ use crate::machine::{self, Env};
 /// - canonicalizing its output changes nothing;
 /// - re-spelling the document (members in reverse order, whitespace between
 ///   every token, `seed` choosing which) keeps the canonical form and the
-///   fingerprint.
+///   fingerprint;
+/// - with exact numbers (fingerprint version 2): it never panics, accepts
+///   every text RFC 8785's form accepts (but for exponents of more than 18
+///   digits), is idempotent, and agrees with RFC 8785's form wherever no
+///   number loses its value as a double.
 pub fn check_canonical(bytes: &[u8], seed: u8) {
+    let exact = canonicalize_as(bytes, Numbers::Exact);
+    if let Ok(form) = &exact {
+        assert_eq!(
+            canonicalize_as(form, Numbers::Exact).as_ref(),
+            Ok(form),
+            "canonicalizing twice with exact numbers changed the text"
+        );
+    }
     let selected = select(bytes, &[String::from("/a"), String::from("/0")]);
     let Ok(canon) = canonicalize(bytes) else {
         assert!(
@@ -47,6 +59,13 @@ pub fn check_canonical(bytes: &[u8], seed: u8) {
     };
     let value: serde_json::Value = serde_json::from_slice(bytes)
         .unwrap_or_else(|e| panic!("canonicalize accepted a text serde_json refuses: {e}"));
+    match &exact {
+        Ok(_) => {}
+        Err(e) => assert!(
+            e.to_string().contains("exponent has more than 18 digits"),
+            "exact numbers refused what RFC 8785's form accepts: {e}"
+        ),
+    }
     assert_eq!(
         canonicalize(&canon).as_deref(),
         Ok(&canon[..]),
@@ -60,12 +79,27 @@ pub fn check_canonical(bytes: &[u8], seed: u8) {
         "a re-spelled document has another canonical form: {}",
         String::from_utf8_lossy(&respelled)
     );
-    let digest = |body: &[u8]| fingerprint(&[], BodyKind::Json, body, &[]);
+    let v1 = |body: &[u8]| fingerprint_of_version(1, &[], BodyKind::Json, body, &[]);
     assert_eq!(
-        digest(bytes),
-        digest(&respelled),
-        "re-spelling changed the fingerprint"
+        v1(bytes),
+        v1(&respelled),
+        "re-spelling changed the version-1 fingerprint"
     );
+    if exact.as_deref() == Ok(&canon[..]) {
+        // No number lost its value: the re-spelling (through doubles) is
+        // the same document for version 2 too.
+        assert_eq!(
+            canonicalize_as(&respelled, Numbers::Exact).as_deref(),
+            Ok(&canon[..]),
+            "a re-spelled document has another exact canonical form"
+        );
+        let digest = |body: &[u8]| fingerprint(&[], BodyKind::Json, body, &[]);
+        assert_eq!(
+            digest(bytes),
+            digest(&respelled),
+            "re-spelling changed the fingerprint"
+        );
+    }
 }
 
 /// Writes `value` as JSON with its object members in reverse order of
@@ -415,6 +449,17 @@ mod tests {
         #[test]
         fn prop_canonical_on_bytes(bytes in prop::collection::vec(any::<u8>(), 0..96), seed in any::<u8>()) {
             check_canonical(&bytes, seed);
+        }
+
+        #[test]
+        fn prop_canonical_on_numbers(
+            numbers in prop::collection::vec(r"-?(0|[1-9][0-9]{0,24})(\.[0-9]{1,24})?([eE][+-]?[0-9]{1,4})?", 1..6),
+            seed in any::<u8>(),
+        ) {
+            // Large, long and out-of-range numbers, where version 2 keeps
+            // what version 1 rounds.
+            let text = format!("[{}]", numbers.join(","));
+            check_canonical(text.as_bytes(), seed);
         }
 
         #[test]
