@@ -14,7 +14,7 @@ use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, ensure};
-use serve::{Proxy, Resp, idem_ok, serve_component};
+use serve::{Proxy, Resp, TEST_CLIENT, idem_ok, serve_component};
 
 /// The start of the line the handler prints once per execution.
 const EXECUTED: &str = "order-handler: executed ";
@@ -160,7 +160,8 @@ fn duplicates_run_the_handler_once_and_replay_its_answer() -> Result<()> {
         "the handler did not run for a new key"
     );
 
-    // The key is in the store, under the proxy's biz type and scope.
+    // The key is in the store, under the proxy's biz type and the scope
+    // of the client's credentials.
     let db = w._dir.path().join("idem.db");
     let db = db.to_str().context("utf-8 path")?;
     let out = idem_ok(&[
@@ -169,7 +170,7 @@ fn duplicates_run_the_handler_once_and_replay_its_answer() -> Result<()> {
         "--json",
         "inspect",
         "--scope",
-        "anonymous",
+        &auth_scope(TEST_CLIENT),
         "--biz",
         "http",
         "--key",
@@ -177,6 +178,70 @@ fn duplicates_run_the_handler_once_and_replay_its_answer() -> Result<()> {
     ])?;
     let status = out.json()?;
     ensure!(status["status"] == "succeeded", "inspect: {status}");
+    Ok(())
+}
+
+/// The scope the proxy and the middleware derive from an `Authorization`
+/// value.
+fn auth_scope(authorization: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(authorization.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("auth:{hex}")
+}
+
+#[test]
+fn unidentified_clients_are_refused_without_running() -> Result<()> {
+    let w = World::start()?;
+    // As `idem serve`'s default, `anonymous = "reject"`: a 401 with a
+    // challenge, the handler not run, nothing stored.
+    let r = w
+        .server
+        .post("/orders")
+        .anonymous()
+        .key("anon-1")
+        .json(r#"{"sku":"A1","qty":1}"#)
+        .send()?;
+    let p = r.expect_problem(401, "client-unidentified")?;
+    ensure!(
+        p["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Authorization"),
+        "{p}"
+    );
+    ensure!(
+        r.header("www-authenticate") == Some("Bearer realm=\"idem\""),
+        "{:?}",
+        r.headers
+    );
+    let stats = idem_ok(&[
+        "--db",
+        w._dir
+            .path()
+            .join("idem.db")
+            .to_str()
+            .context("utf-8 path")?,
+        "--json",
+        "stats",
+    ])?
+    .json()?;
+    ensure!(stats["total"] == 0, "stored: {stats}");
+    // The key rules come first: a keyless POST is still 400 key-missing.
+    w.server
+        .post("/orders")
+        .anonymous()
+        .json("{}")
+        .send()?
+        .expect_problem(400, "key-missing")?;
+    // With credentials the same key runs once: nothing was kept before.
+    w.order("anon-1", r#"{"sku":"A1","qty":1}"#)?
+        .expect_status(201)?;
+    ensure!(
+        w.executions("/orders", 1) == 1,
+        "the handler ran {} times",
+        w.executions("/orders", 2)
+    );
     Ok(())
 }
 

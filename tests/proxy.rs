@@ -16,7 +16,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use serve::{Req, Resp, Serve, idem_ok};
+use serve::{Req, Resp, Serve, TEST_CLIENT, idem_ok};
 use upstream::{Upstream, refused_port};
 use world::{World, serve};
 
@@ -311,14 +311,19 @@ fn invalid_keys_are_400_and_execute_nothing() -> Result<()> {
     expect_total(&w.up, 1)
 }
 
+/// Unidentified clients share the one scope `anonymous`.
+const SHARED: &str = "[defaults]\nanonymous = \"shared\"\n";
+
 #[test]
 fn clients_are_scoped_by_authorization() -> Result<()> {
-    let w = World::start(None)?;
+    // `shared`, so that the client without credentials is served too.
+    let w = World::start(Some(SHARED))?;
     let send = |auth: Option<&str>| {
         let mut r = w.proxy.post("/orders").key("shared-key").json(BODY);
-        if let Some(a) = auth {
-            r = r.auth(a);
-        }
+        r = match auth {
+            Some(a) => r.auth(a),
+            None => r.anonymous(),
+        };
         r.send()
     };
     let alice = send(Some("Bearer alice-token"))?;
@@ -384,6 +389,197 @@ fn scope_header_names_the_client_when_configured() -> Result<()> {
     expect_fresh(&t2, 201)?;
     t2.expect_not_containing(&[b"ord-1"])?;
     expect_total(&w.up, 2)
+}
+
+/// The record count in the proxy's database (`idem stats`).
+fn stored(w: &World) -> Result<u64> {
+    let stats = idem_ok(&["stats", "--db", w.db(), "--json"])?.json()?;
+    stats["total"].as_u64().context("stats without a total")
+}
+
+#[test]
+fn unidentified_clients_are_refused_by_default() -> Result<()> {
+    let w = World::start(None)?;
+    let anonymous = || w.proxy.post("/orders").anonymous().key("k-anon").json(BODY);
+    let r = anonymous().send()?;
+    let p = r.expect_problem(401, "client-unidentified")?;
+    ensure!(p["title"] == "The client is not identified", "{p}");
+    let detail = p["detail"].as_str().unwrap_or_default();
+    ensure!(detail.contains("Authorization"), "{p}");
+    ensure!(
+        r.header("www-authenticate") == Some("Bearer realm=\"idem\""),
+        "a 401 needs a challenge: {:?}",
+        r.headers
+    );
+    r.expect_not_containing(&[b"A1-secret-sku"])?;
+    // Addresses a client writes itself identify no one.
+    anonymous()
+        .header("X-Forwarded-For", "198.51.100.7")
+        .header("Forwarded", "for=198.51.100.7")
+        .send()?
+        .expect_problem(401, "client-unidentified")?;
+    // PATCH and a keyed PUT too; nothing reached the upstream or the store.
+    for method in ["PATCH", "PUT", "DELETE"] {
+        w.proxy
+            .request(method, "/things/1")
+            .anonymous()
+            .key("k-anon")
+            .json(BODY)
+            .send()?
+            .expect_problem(401, "client-unidentified")
+            .context(method)?;
+    }
+    expect_total(&w.up, 0)?;
+    ensure!(stored(&w)? == 0, "a refused request was stored");
+    // Without a key nothing would be stored: the key rules apply as before.
+    anonymous_keyless(&w, "POST")?.expect_problem(400, "key-missing")?;
+    expect_fresh(&anonymous_keyless(&w, "PUT")?, 200)?;
+    expect_total(&w.up, 1)?;
+    // The same key with credentials is a first request: nothing was kept.
+    let r = w.proxy.post("/orders").key("k-anon").json(BODY).send()?;
+    expect_fresh(&r, 201)?;
+    expect_total(&w.up, 2)?;
+    // With a scope header configured, the detail names it too.
+    let tenant = World::start(Some("scope_header = \"X-Tenant-Id\"\n"))?;
+    let r = tenant
+        .proxy
+        .post("/orders")
+        .anonymous()
+        .key("k")
+        .json(BODY)
+        .send()?;
+    let p = r.expect_problem(401, "client-unidentified")?;
+    let detail = p["detail"].as_str().unwrap_or_default();
+    ensure!(
+        detail.contains("Authorization") && detail.contains("X-Tenant-Id header"),
+        "{p}"
+    );
+    let r = tenant
+        .proxy
+        .post("/orders")
+        .anonymous()
+        .header("X-Tenant-Id", "t-1")
+        .key("k")
+        .json(BODY)
+        .send()?;
+    expect_fresh(&r, 201)?;
+    expect_total(&tenant.up, 1)
+}
+
+fn anonymous_keyless(w: &World, method: &str) -> Result<Resp> {
+    w.proxy
+        .request(method, "/things/9")
+        .anonymous()
+        .json(BODY)
+        .send()
+}
+
+#[test]
+fn shared_anonymous_clients_share_one_key_space() -> Result<()> {
+    let w = World::start(Some(SHARED))?;
+    let anonymous = |body: &str| w.proxy.post("/orders").anonymous().key("k").json(body);
+    // One unidentified client's request...
+    let first = anonymous(BODY).send()?;
+    expect_fresh(&first, 201)?;
+    // ...is what every other unidentified client gets for the same key and
+    // request: that is what `shared` means.
+    let other = anonymous(BODY).send()?;
+    expect_replay_of(&other, &first)?;
+    anonymous(r#"{"sku":"B2","qty":1}"#)
+        .send()?
+        .expect_problem(422, "key-reused")?;
+    expect_total(&w.up, 1)?;
+    ensure!(inspect(&w, "anonymous", "http", "k")?["status"] == "succeeded");
+    // An identified client keeps its own scope.
+    let own = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&own, 201)?;
+    own.expect_not_containing(&[b"ord-1"])?;
+    expect_total(&w.up, 2)
+}
+
+/// A raw `POST /orders` with key `key` from a socket bound to `source`
+/// (any 127.0.0.0/8 address is the loopback on Linux); returns the status
+/// and the `x-order-id` header.
+fn post_from(source: &str, base: &str, key: &str) -> Result<(u16, Option<String>)> {
+    use std::io::{Read, Write};
+    let target: std::net::SocketAddr = base.trim_start_matches("http://").parse()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    let socket = runtime.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(format!("{source}:0").parse()?)?;
+        anyhow::Ok(socket.connect(target).await?)
+    })?;
+    let mut s = socket.into_std()?;
+    s.set_nonblocking(false)?;
+    s.set_read_timeout(Some(ARRIVAL))?;
+    // A forwarded address that would be another client's, were it believed.
+    let request = format!(
+        "POST /orders HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: {key}\r\n\
+         X-Forwarded-For: 198.51.100.7\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    s.write_all(request.as_bytes())?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)?;
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("no status in {answer:?}"))?;
+    let order = answer.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.eq_ignore_ascii_case("x-order-id")
+            .then(|| value.trim().to_string())
+    });
+    Ok((status, order))
+}
+
+#[test]
+fn client_address_gives_each_address_its_own_scope() -> Result<()> {
+    let w = World::start(Some("[defaults]\nanonymous = \"client-address\"\n"))?;
+    let addr_scope = |ip: &str| {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(ip.as_bytes());
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("addr:{hex}")
+    };
+    // The harness's client connects from 127.0.0.1.
+    let first = w
+        .proxy
+        .post("/orders")
+        .anonymous()
+        .key("k")
+        .json(BODY)
+        .send()?;
+    expect_fresh(&first, 201)?;
+    let rec = inspect(&w, &addr_scope("127.0.0.1"), "http", "k")?;
+    ensure!(rec["status"] == "succeeded", "{rec}");
+    // The same address again: the same client, a replay, whatever it
+    // claims in X-Forwarded-For.
+    let (status, order) = post_from("127.0.0.1", &w.proxy.base, "k")?;
+    ensure!(
+        (status, order.as_deref()) == (201, Some("ord-1")),
+        "{status} {order:?}"
+    );
+    expect_total(&w.up, 1)?;
+    // Another address: another client with the same key runs on its own.
+    let (status, order) = post_from("127.0.0.2", &w.proxy.base, "k")?;
+    ensure!(
+        (status, order.as_deref()) == (201, Some("ord-2")),
+        "{status} {order:?}"
+    );
+    let rec = inspect(&w, &addr_scope("127.0.0.2"), "http", "k")?;
+    ensure!(rec["status"] == "succeeded", "{rec}");
+    // The forwarded address was never used as a scope.
+    ensure!(inspect(&w, &addr_scope("198.51.100.7"), "http", "k")?.is_null());
+    // An identified client is scoped by its credentials, not its address.
+    let own = w.proxy.post("/orders").key("k").json(BODY).send()?;
+    expect_fresh(&own, 201)?;
+    ensure!(inspect(&w, &auth_scope(TEST_CLIENT), "http", "k")?["status"] == "succeeded");
+    expect_total(&w.up, 3)
 }
 
 #[test]
@@ -495,6 +691,7 @@ fn a_client_hanging_up_mid_request_still_settles_the_key() -> Result<()> {
     write!(
         conn,
         "POST /slow?ms=700 HTTP/1.1\r\nHost: {authority}\r\nIdempotency-Key: hangup-1\r\n\
+         Authorization: {TEST_CLIENT}\r\n\
          Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{BODY}",
         BODY.len()
     )?;
@@ -853,7 +1050,7 @@ fn retry_after_lease(w: &World) -> Result<Resp> {
         let in_progress = r.status == 409
             && r.json()?["type"]
                 .as_str()
-                .is_some_and(|t| t.ends_with("request-in-progress"));
+                .is_some_and(|t| t == serve::problem_type("request-in-progress"));
         if !in_progress {
             return Ok(r);
         }
@@ -985,8 +1182,14 @@ fn inspect(w: &World, scope: &str, biz: &str, key: &str) -> Result<serde_json::V
 
 #[test]
 fn inspect_stats_and_reconcile_report_the_records() -> Result<()> {
-    let w = World::start(Some(ORDER_ROUTE))?;
-    let anon = w.proxy.post("/orders").key("k-anon").json(BODY).send()?;
+    let w = World::start(Some(&format!("{SHARED}{ORDER_ROUTE}")))?;
+    let anon = w
+        .proxy
+        .post("/orders")
+        .anonymous()
+        .key("k-anon")
+        .json(BODY)
+        .send()?;
     expect_fresh(&anon, 201)?;
     let r = w
         .proxy
@@ -996,16 +1199,12 @@ fn inspect_stats_and_reconcile_report_the_records() -> Result<()> {
         .json(BODY)
         .send()?;
     expect_fresh(&r, 201)?;
-    expect_fresh(
-        &w.proxy.post("/fail/404").key("k-404").json(BODY).send()?,
-        404,
-    )?;
-    expect_fresh(
-        &w.proxy.post("/fail/500").key("k-500").json(BODY).send()?,
-        500,
-    )?;
+    let anonymous = |path: &str, key: &str| w.proxy.post(path).anonymous().key(key).json(BODY);
+    expect_fresh(&anonymous("/fail/404", "k-404").send()?, 404)?;
+    expect_fresh(&anonymous("/fail/500", "k-500").send()?, 500)?;
     w.proxy
         .post("/drop")
+        .anonymous()
         .key("k-drop")
         .json(BODY)
         .send()?
@@ -1053,7 +1252,8 @@ fn sweep_deletes_records_after_retention() -> Result<()> {
     let w = World::start(Some(&config))?;
     let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
     expect_fresh(&first, 201)?;
-    ensure!(inspect(&w, "anonymous", "order.create", "k")?["status"] == "succeeded");
+    let client = auth_scope(TEST_CLIENT);
+    ensure!(inspect(&w, &client, "order.create", "k")?["status"] == "succeeded");
     // Retention runs on the system clock: sweep until the record goes.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut deleted = 0;
@@ -1066,7 +1266,7 @@ fn sweep_deletes_records_after_retention() -> Result<()> {
         }
     }
     ensure!(deleted == 1, "deleted {deleted}");
-    ensure!(inspect(&w, "anonymous", "order.create", "k")?.is_null());
+    ensure!(inspect(&w, &client, "order.create", "k")?.is_null());
     // Gone: the key executes again.
     let again = w.proxy.post("/orders").key("k").json(BODY).send()?;
     expect_fresh(&again, 201)?;

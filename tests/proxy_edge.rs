@@ -169,11 +169,16 @@ fn send(s: &mut TcpStream, bytes: &[u8]) -> Result<()> {
     }
 }
 
-/// A POST to `/orders` with `extra` header lines (each ending in CRLF) and
-/// a JSON body with a matching Content-Length.
+/// The tenant every raw request names (the proxy refuses keyed requests
+/// that name no client).
+const TENANT: &[u8] = b"X-Tenant: edge\r\n";
+
+/// A POST to `/orders` from [`TENANT`] with `extra` header lines (each
+/// ending in CRLF) and a JSON body with a matching Content-Length.
 fn post(extra: &[u8], body: &[u8]) -> Vec<u8> {
     let mut r =
         b"POST /orders HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n".to_vec();
+    r.extend_from_slice(TENANT);
     r.extend_from_slice(extra);
     r.extend_from_slice(format!("Content-Length: {}\r\n\r\n", body.len()).as_bytes());
     r.extend_from_slice(body);
@@ -243,9 +248,10 @@ fn bad_inputs() -> Vec<Case> {
         "a".repeat(70_000)
     );
     let short_body = b"POST /orders HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k-bad\r\n\
-        Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"sku\":\"A1\"";
+        X-Tenant: edge\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n\
+        {\"sku\":\"A1\"";
     let short_chunk = b"POST /orders HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k-bad\r\n\
-        Transfer-Encoding: chunked\r\n\r\n20\r\n{\"sku\"";
+        X-Tenant: edge\r\nTransfer-Encoding: chunked\r\n\r\n20\r\n{\"sku\"";
     let both = |first: &str, second: &str| {
         format!(
             "POST /orders HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k-bad\r\n\
@@ -414,6 +420,14 @@ fn bad_inputs() -> Vec<Case> {
             Problem(408, "request-timeout"),
         ),
         case("a connection that sends nothing", Vec::new(), Closed),
+        case(
+            "a keyed request that names no client",
+            b"POST /orders HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k-bad\r\n\
+              X-Forwarded-For: 198.51.100.7\r\nContent-Type: application/json\r\n\
+              Content-Length: 2\r\n\r\n{}"
+                .to_vec(),
+            Problem(401, "client-unidentified"),
+        ),
     ];
     for (what, bytes) in [
         (
@@ -468,7 +482,11 @@ fn bad_input_at_the_edge_is_4xx_and_writes_nothing() -> Result<()> {
                     a.head
                 );
                 let ty = a.problem_type().unwrap_or_default();
-                ensure!(ty.ends_with(kind), "{}: problem type {ty}", c.what);
+                ensure!(
+                    ty == serve::problem_type(kind),
+                    "{}: problem type {ty}",
+                    c.what
+                );
             }
             (expect, got) => bail!("{}: expected {expect:?}, got {got:?}", c.what),
         }

@@ -24,8 +24,15 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The header set on every replayed response.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
-/// The base of every problem type URI.
-pub const PROBLEM_BASE: &str = "https://idem.dev/problems/";
+/// The base of every problem type URI: the same tag URIs (RFC 4151) as
+/// `idem serve` (the host's `proxy::problem::PROBLEM_BASE`, where the
+/// choice is explained). Each type is documented in the README's "Problem
+/// types" table; a test keeps [`ProblemType::ALL`] in step with it.
+pub const PROBLEM_BASE: &str = "tag:idem.invalid,2026:problems/";
+
+/// The challenge sent with every 401, as `idem serve` sends it (RFC 9110
+/// requires one; any `Authorization` scheme is accepted).
+pub const WWW_AUTHENTICATE: &str = "Bearer realm=\"idem\"";
 
 /// The media type of problem bodies.
 pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
@@ -114,29 +121,53 @@ pub fn parse_idempotency_key(value: &[u8]) -> Result<String, KeyHeaderError> {
     Ok(key)
 }
 
+/// What a keyed request without `Authorization` gets, as `idem serve`'s
+/// `anonymous` route option (without its `client-address`: `wasi:http` 0.2
+/// gives a component no client address).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Anonymous {
+    /// A 401 `client-unidentified`; nothing is stored.
+    Reject,
+    /// The one scope `anonymous`, shared by every unidentified client.
+    Shared,
+}
+
 /// Why no scope could be derived from the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RepeatedAuthorization;
+pub enum ScopeError {
+    /// The `Authorization` header occurs more than once.
+    RepeatedAuthorization,
+    /// There is no `Authorization` header and unidentified clients are
+    /// refused.
+    Unidentified,
+}
 
-impl fmt::Display for RepeatedAuthorization {
+impl fmt::Display for ScopeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("the authorization header occurs more than once")
+        f.write_str(match self {
+            ScopeError::RepeatedAuthorization => "the authorization header occurs more than once",
+            ScopeError::Unidentified => "the request does not identify its client",
+        })
     }
 }
 
 /// The scope of the request's keys, from its `Authorization` values:
-/// `auth:<hex SHA-256 of the value>`, or `anonymous` without one. The same
-/// scopes as `idem serve` without a configured scope header, so one client
-/// never receives another's stored response.
+/// `auth:<hex SHA-256 of the value>`; without one, as `anonymous` says
+/// (`anonymous` under [`Anonymous::Shared`]). The same scopes as
+/// `idem serve` without a configured scope header, so one client never
+/// receives another's stored response.
 ///
 /// # Errors
 ///
-/// [`RepeatedAuthorization`] when the header occurs more than once.
-pub fn scope(authorization: &[&[u8]]) -> Result<String, RepeatedAuthorization> {
-    match authorization {
-        [] => Ok("anonymous".to_string()),
-        [value] => Ok(format!("auth:{}", hex(&Sha256::digest(value)))),
-        _ => Err(RepeatedAuthorization),
+/// [`ScopeError::RepeatedAuthorization`] when the header occurs more than
+/// once; [`ScopeError::Unidentified`] without one under
+/// [`Anonymous::Reject`].
+pub fn scope(authorization: &[&[u8]], anonymous: Anonymous) -> Result<String, ScopeError> {
+    match (authorization, anonymous) {
+        ([], Anonymous::Reject) => Err(ScopeError::Unidentified),
+        ([], Anonymous::Shared) => Ok("anonymous".to_string()),
+        ([value], _) => Ok(format!("auth:{}", hex(&Sha256::digest(value)))),
+        _ => Err(ScopeError::RepeatedAuthorization),
     }
 }
 
@@ -210,6 +241,9 @@ pub enum ProblemType {
     BodyTooLarge,
     /// 400: other invalid input.
     InvalidRequest,
+    /// 401: a keyed request without `Authorization`, refused under
+    /// [`Anonymous::Reject`].
+    ClientUnidentified,
     /// 503: the idempotency store did not answer.
     StoreUnavailable,
     /// 500: the request failed for good and no response was kept.
@@ -221,6 +255,22 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
+    /// Every kind the middleware sends, in the order of the README's table.
+    pub const ALL: [ProblemType; 12] = [
+        ProblemType::KeyMissing,
+        ProblemType::KeyInvalid,
+        ProblemType::KeyReused,
+        ProblemType::RequestInProgress,
+        ProblemType::OutcomeUnknown,
+        ProblemType::BodyTooLarge,
+        ProblemType::InvalidRequest,
+        ProblemType::ClientUnidentified,
+        ProblemType::StoreUnavailable,
+        ProblemType::RequestFailed,
+        ProblemType::ResponseNotStored,
+        ProblemType::InternalError,
+    ];
+
     /// The last segment of the type URI.
     pub fn slug(self) -> &'static str {
         match self {
@@ -231,6 +281,7 @@ impl ProblemType {
             ProblemType::OutcomeUnknown => "outcome-unknown",
             ProblemType::BodyTooLarge => "body-too-large",
             ProblemType::InvalidRequest => "invalid-request",
+            ProblemType::ClientUnidentified => "client-unidentified",
             ProblemType::StoreUnavailable => "store-unavailable",
             ProblemType::RequestFailed => "request-failed",
             ProblemType::ResponseNotStored => "response-not-stored",
@@ -248,6 +299,7 @@ impl ProblemType {
             ProblemType::OutcomeUnknown => "The outcome of the request is unknown",
             ProblemType::BodyTooLarge => "Request body is too large",
             ProblemType::InvalidRequest => "Request is invalid",
+            ProblemType::ClientUnidentified => "The client is not identified",
             ProblemType::StoreUnavailable => "Idempotency store is unavailable",
             ProblemType::RequestFailed => "The request failed",
             ProblemType::ResponseNotStored => "The response was not stored",
@@ -259,6 +311,7 @@ impl ProblemType {
     pub fn status(self) -> u16 {
         match self {
             ProblemType::KeyMissing | ProblemType::KeyInvalid | ProblemType::InvalidRequest => 400,
+            ProblemType::ClientUnidentified => 401,
             ProblemType::KeyReused => 422,
             ProblemType::RequestInProgress | ProblemType::OutcomeUnknown => 409,
             ProblemType::BodyTooLarge => 413,
@@ -332,8 +385,8 @@ impl Problem {
         Value::Object(body)
     }
 
-    /// The response headers: the media type, `Cache-Control: no-store` and
-    /// `Retry-After` when set.
+    /// The response headers: the media type, `Cache-Control: no-store`,
+    /// `Retry-After` when set, and `WWW-Authenticate` on a 401.
     pub fn headers(&self) -> Vec<(String, Vec<u8>)> {
         let mut headers = Vec::from([
             ("content-type".to_string(), PROBLEM_CONTENT_TYPE.into()),
@@ -341,6 +394,9 @@ impl Problem {
         ]);
         if let Some(secs) = self.retry_after_secs {
             headers.push(("retry-after".to_string(), secs.to_string().into_bytes()));
+        }
+        if self.status == 401 {
+            headers.push(("www-authenticate".to_string(), WWW_AUTHENTICATE.into()));
         }
         headers
     }
@@ -405,12 +461,96 @@ mod tests {
 
     #[test]
     fn scopes_hash_the_credential() {
-        assert_eq!(scope(&[]).unwrap(), "anonymous");
-        let s = scope(&[b"Bearer abc"]).unwrap();
-        assert_eq!(s, format!("auth:{}", hex(&Sha256::digest(b"Bearer abc"))));
-        assert_eq!(s.len(), 5 + 64);
-        assert_ne!(s, scope(&[b"Bearer abd"]).unwrap());
-        assert_eq!(scope(&[b"a", b"b"]), Err(RepeatedAuthorization));
+        for mode in [Anonymous::Reject, Anonymous::Shared] {
+            let s = scope(&[b"Bearer abc"], mode).unwrap();
+            assert_eq!(s, format!("auth:{}", hex(&Sha256::digest(b"Bearer abc"))));
+            assert_eq!(s.len(), 5 + 64);
+            assert_ne!(s, scope(&[b"Bearer abd"], mode).unwrap());
+            assert_eq!(
+                scope(&[b"a", b"b"], mode),
+                Err(ScopeError::RepeatedAuthorization)
+            );
+        }
+    }
+
+    #[test]
+    fn unidentified_clients_are_refused_or_share_one_scope() {
+        assert_eq!(scope(&[], Anonymous::Reject), Err(ScopeError::Unidentified));
+        assert_eq!(scope(&[], Anonymous::Shared).unwrap(), "anonymous");
+        let p = Problem::new(ProblemType::ClientUnidentified, "who");
+        assert_eq!(p.status, 401);
+        assert!(
+            p.headers()
+                .contains(&("www-authenticate".to_string(), WWW_AUTHENTICATE.into()))
+        );
+        assert!(
+            Problem::new(ProblemType::KeyMissing, "x")
+                .headers()
+                .iter()
+                .all(|(n, _)| n != "www-authenticate")
+        );
+    }
+
+    /// The rows of the README's "Problem types" table, as cells.
+    fn readme_problem_rows(readme: &str) -> Vec<Vec<String>> {
+        let Some(start) = readme.find("\n### Problem types\n") else {
+            panic!("README.md has no \"### Problem types\" section");
+        };
+        readme[start..]
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .skip(2)
+            .map(|l| {
+                l.trim_matches('|')
+                    .split(" | ")
+                    .map(|c| c.trim().to_string())
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_readme_table_lists_exactly_what_the_middleware_sends() {
+        let rows = readme_problem_rows(include_str!("../../README.md"));
+        let mut documented = Vec::new();
+        for row in &rows {
+            assert_eq!(
+                row.len(),
+                6,
+                "a README problem row without 6 cells: {row:?}"
+            );
+            let uri = row[0].trim_matches('`');
+            assert!(uri.starts_with(PROBLEM_BASE), "{uri}");
+            if !row[5].contains("middleware") {
+                assert!(
+                    ProblemType::ALL
+                        .iter()
+                        .all(|k| format!("{PROBLEM_BASE}{}", k.slug()) != uri),
+                    "{uri}: the middleware sends it, the README says it does not"
+                );
+                continue;
+            }
+            let Some(kind) = ProblemType::ALL
+                .into_iter()
+                .find(|k| format!("{PROBLEM_BASE}{}", k.slug()) == uri)
+            else {
+                panic!("the README says the middleware sends {uri}; it does not");
+            };
+            assert!(
+                row[1].starts_with(&kind.status().to_string()),
+                "{uri}: the README says status {:?}, the middleware sends {}",
+                row[1],
+                kind.status()
+            );
+            assert_eq!(row[2], kind.title(), "{uri}: the README's title differs");
+            documented.push(kind);
+        }
+        assert_eq!(
+            documented,
+            ProblemType::ALL,
+            "the README's problem table must list every middleware type once, in order"
+        );
     }
 
     #[test]
@@ -453,7 +593,7 @@ mod tests {
             .with("status", 200)
             .with("field", "idem-key");
         let v = p.to_json();
-        assert_eq!(v["type"], "https://idem.dev/problems/key-reused");
+        assert_eq!(v["type"], "tag:idem.invalid,2026:problems/key-reused");
         assert_eq!(v["title"], "Idempotency-Key is already used");
         assert_eq!(v["status"], 422);
         assert_eq!(v["detail"], "used");

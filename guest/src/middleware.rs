@@ -49,6 +49,15 @@ pub const LEASE_MS: u64 = 60 * 1000;
 /// proxy's default, short enough for a client to see the outcome soon.
 pub const RETRY_AFTER_MS: u64 = 1000;
 
+/// What a keyed request without `Authorization` gets: a 401
+/// `client-unidentified`, nothing stored, the handler not run. The same as
+/// `idem serve`'s default (`anonymous = "reject"`): without a credential
+/// one client cannot be told from another, and a shared scope would give
+/// one client another's stored response. The middleware has no
+/// configuration of its own (its policy is fixed too), and `wasi:http` 0.2
+/// gives it no client address, so `client-address` has no counterpart.
+pub const ANONYMOUS: http::Anonymous = http::Anonymous::Reject;
+
 /// The largest request body fingerprinted: 1 MiB, the proxy's default. The
 /// host's bridge enforces its own limit on what it buffers.
 pub const MAX_BODY_BYTES: u32 = 1024 * 1024;
@@ -416,9 +425,9 @@ impl HandlerGuest for Component {
                 );
             }
         };
-        let scope = match http::scope(&values(&headers, "authorization")) {
+        let scope = match http::scope(&values(&headers, "authorization"), ANONYMOUS) {
             Ok(scope) => scope,
-            Err(e) => {
+            Err(e @ http::ScopeError::RepeatedAuthorization) => {
                 return send_problem(
                     out,
                     &Problem::new(
@@ -426,6 +435,15 @@ impl HandlerGuest for Component {
                         format!("{e}. Send it once, as printable text."),
                     )
                     .with("field", "scope"),
+                );
+            }
+            Err(http::ScopeError::Unidentified) => {
+                return send_problem(
+                    out,
+                    &Problem::new(
+                        ProblemType::ClientUnidentified,
+                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send an Authorization header, then retry with the same Idempotency-Key: nothing was stored.",
+                    ),
                 );
             }
         };

@@ -56,7 +56,7 @@ enum Command {
     },
     /// Show the stored state of one key.
     Inspect {
-        /// The key's scope (e.g. anonymous, auth:<sha256>, hdr:<tenant>).
+        /// The key's scope (e.g. auth:<sha256>, hdr:<tenant>, addr:<sha256>, anonymous).
         #[arg(long)]
         scope: String,
         /// The key's biz type (http unless a route names another).

@@ -272,8 +272,9 @@ impl Proxy {
         format!("{}{path}", self.base)
     }
 
+    /// A request to `path`, as [`TEST_CLIENT`].
     pub fn request(&self, method: &str, path: &str) -> Req {
-        Req::new(method, &self.url(path))
+        Req::new(method, &self.url(path)).auth(TEST_CLIENT)
     }
 
     pub fn post(&self, path: &str) -> Req {
@@ -427,21 +428,37 @@ fn agent() -> &'static ureq::Agent {
     })
 }
 
+/// The `Authorization` value of every request made through [`Proxy`]
+/// unless the test says otherwise ([`Req::auth`], [`Req::anonymous`]):
+/// `idem serve` and the middleware refuse keyed requests that name no
+/// client by default (`anonymous = "reject"`), so the suites' clients
+/// identify themselves as a real client would.
+pub const TEST_CLIENT: &str = "Bearer test-client";
+
+/// The problem `type` of `name`: the base every idem problem type shares.
+pub fn problem_type(name: &str) -> String {
+    format!("{}{name}", idem::proxy::problem::PROBLEM_BASE)
+}
+
 /// One HTTP request of the test's own.
 #[derive(Clone, Debug)]
 pub struct Req {
     method: String,
     url: String,
     headers: Vec<(String, Vec<u8>)>,
+    /// Sent as `Authorization`, after `headers`.
+    auth: Option<String>,
     body: Option<Vec<u8>>,
 }
 
 impl Req {
+    /// A request without credentials.
     pub fn new(method: &str, url: &str) -> Self {
         Self {
             method: method.to_string(),
             url: url.to_string(),
             headers: Vec::new(),
+            auth: None,
             body: None,
         }
     }
@@ -459,9 +476,16 @@ impl Req {
         self.header("Idempotency-Key", value)
     }
 
-    /// `Authorization: VALUE`.
-    pub fn auth(self, value: &str) -> Self {
-        self.header("Authorization", value)
+    /// `Authorization: VALUE`, instead of any earlier one.
+    pub fn auth(mut self, value: &str) -> Self {
+        self.auth = Some(value.to_string());
+        self
+    }
+
+    /// No `Authorization` header: a client that does not identify itself.
+    pub fn anonymous(mut self) -> Self {
+        self.auth = None;
+        self
     }
 
     /// A JSON body with `Content-Type: application/json`.
@@ -483,6 +507,9 @@ impl Req {
             .uri(&self.url);
         for (name, value) in &self.headers {
             builder = builder.header(name.as_str(), http::HeaderValue::from_bytes(value)?);
+        }
+        if let Some(auth) = &self.auth {
+            builder = builder.header("Authorization", auth.as_str());
         }
         let what = format!("{} {}", self.method, self.url);
         let resp = match &self.body {
@@ -548,9 +575,9 @@ impl Resp {
         Ok(self)
     }
 
-    /// Requires a problem of the proxy's own: this status,
-    /// `application/problem+json`, a `type` ending in `/TYPE_NAME`, a
-    /// non-empty `title`, a `status` member (when present) equal to the
+    /// Requires a problem of idem's own: this status,
+    /// `application/problem+json`, the `type` [`problem_type`]`(TYPE_NAME)`,
+    /// a non-empty `title`, a `status` member (when present) equal to the
     /// status, and no `Idempotent-Replayed: true`. Returns the problem.
     pub fn expect_problem(&self, status: u16, type_name: &str) -> Result<serde_json::Value> {
         self.expect_status(status)?;
@@ -565,8 +592,9 @@ impl Resp {
             .as_str()
             .context("problem without a string `type`")?;
         ensure!(
-            ty.ends_with(&format!("/{type_name}")) || ty == type_name,
-            "problem type {ty:?} does not end with {type_name:?}; problem {p}"
+            ty == problem_type(type_name),
+            "problem type {ty:?} is not {:?}; problem {p}",
+            problem_type(type_name)
         );
         let title = p["title"].as_str().context("problem without a `title`")?;
         ensure!(!title.is_empty(), "empty problem title");

@@ -91,6 +91,32 @@ pub enum ServerErrors {
     Store,
 }
 
+/// What a keyed request that names no client gets: one with neither the
+/// configured `scope_header` nor an `Authorization` header (`anonymous`).
+///
+/// The scope decides whose stored responses a request may receive, so an
+/// unidentified client cannot be told apart from another one. The default
+/// fails closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AnonymousMode {
+    /// `"reject"`: 401 `client-unidentified`; nothing is stored and the
+    /// upstream is not called. The default: a client that sends another
+    /// client's key can never receive that client's stored response.
+    #[default]
+    Reject,
+    /// `"shared"`: the scope `anonymous`. Every unidentified client shares
+    /// one key space, so one that sends another's key gets that client's
+    /// stored response (or a 422 that tells it the key is taken).
+    Shared,
+    /// `"client-address"`: the scope `addr:<hex SHA-256 of the peer's IP
+    /// address>`, from the TCP connection only (forwarded headers such as
+    /// `X-Forwarded-For` are ignored: any client can write them). Only as
+    /// good as the address: behind a load balancer or a NAT every client
+    /// has the same one and they share a key space again.
+    ClientAddress,
+}
+
 /// What a duplicate does while the first request is still running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum InProgressConfig {
@@ -204,6 +230,12 @@ pub struct PolicyConfig {
     /// that make up the request's identity; empty means the whole body. A
     /// non-empty list requires JSON bodies. Default `[]`.
     pub fingerprint_fields: Option<Vec<String>>,
+    /// `anonymous`: what a keyed request gets when it names no client
+    /// (neither `scope_header` nor `Authorization`): `"reject"` (401
+    /// `client-unidentified`, nothing stored), `"shared"` (the one scope
+    /// `anonymous` for all of them) or `"client-address"` (a scope from the
+    /// connection's IP address). Default `"reject"`, see [`AnonymousMode`].
+    pub anonymous: Option<AnonymousMode>,
 }
 
 impl PolicyConfig {
@@ -221,6 +253,7 @@ impl PolicyConfig {
                 .fingerprint_fields
                 .clone()
                 .or_else(|| base.fingerprint_fields.clone()),
+            anonymous: self.anonymous.or(base.anonymous),
         }
     }
 
@@ -313,6 +346,8 @@ pub struct RouteConfig {
     pub key: Option<KeyRequirement>,
     /// See [`PolicyConfig::fingerprint_fields`].
     pub fingerprint_fields: Option<Vec<String>>,
+    /// See [`PolicyConfig::anonymous`].
+    pub anonymous: Option<AnonymousMode>,
 }
 
 fn any_method() -> String {
@@ -339,6 +374,7 @@ impl RouteConfig {
             server_errors: None,
             key: None,
             fingerprint_fields: None,
+            anonymous: None,
         }
     }
 
@@ -352,6 +388,7 @@ impl RouteConfig {
             server_errors: self.server_errors,
             key: self.key,
             fingerprint_fields: self.fingerprint_fields.clone(),
+            anonymous: self.anonymous,
         }
     }
 }
@@ -374,7 +411,8 @@ pub struct ProxyConfig {
     /// `scope_header`: a request header whose value names the client (e.g.
     /// `"X-Tenant-Id"`, set by a gateway in front of the proxy). When set
     /// and present it is the key's scope; otherwise the scope is the
-    /// SHA-256 of the `Authorization` header, or `anonymous` without one.
+    /// SHA-256 of the `Authorization` header, and without either the
+    /// route's `anonymous` decides ([`PolicyConfig::anonymous`]).
     /// Default: none.
     pub scope_header: Option<String>,
     /// `max_body_bytes`: the largest request body accepted on a keyed
@@ -534,6 +572,7 @@ impl ProxyConfig {
             key: None,
             post_patch_key: self.defaults.key.unwrap_or(KeyRequirement::Required),
             server_errors: self.defaults.server_errors.unwrap_or_default(),
+            anonymous: self.defaults.anonymous.unwrap_or_default(),
         };
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, r) in self.routes.iter().enumerate() {
@@ -560,6 +599,7 @@ impl ProxyConfig {
                 key: r.key,
                 post_patch_key: merged.key.unwrap_or(KeyRequirement::Required),
                 server_errors: merged.server_errors.unwrap_or_default(),
+                anonymous: merged.anonymous.unwrap_or_default(),
             });
         }
         // One biz type, one policy: the engine requires every call about a
@@ -705,6 +745,8 @@ pub struct Route {
     post_patch_key: KeyRequirement,
     /// What an upstream 5xx means.
     pub server_errors: ServerErrors,
+    /// What a keyed request that names no client gets.
+    pub anonymous: AnonymousMode,
 }
 
 impl Route {
@@ -780,7 +822,41 @@ mod tests {
         assert_eq!(r.key_requirement(&Method::PATCH), KeyRequirement::Required);
         assert_eq!(r.key_requirement(&Method::PUT), KeyRequirement::Optional);
         assert_eq!(r.key_requirement(&Method::DELETE), KeyRequirement::Optional);
+        assert_eq!(r.anonymous, AnonymousMode::Reject);
         assert!(t.scope_header().is_none());
+    }
+
+    #[test]
+    fn anonymous_is_layered_like_every_policy_key() -> Result<(), ConfigError> {
+        let c = ProxyConfig::from_toml_str(
+            r#"
+            [defaults]
+            anonymous = "shared"
+            [[routes]]
+            path = "/public/*"
+            biz_type = "public"
+            anonymous = "client-address"
+            [[routes]]
+            path = "/strict"
+            biz_type = "strict"
+            anonymous = "reject"
+            [[routes]]
+            path = "/inherits"
+            biz_type = "inherits"
+            "#,
+        )?;
+        let t = c.resolve()?;
+        let mode = |path: &str| t.find(&Method::POST, path).anonymous;
+        assert_eq!(mode("/elsewhere"), AnonymousMode::Shared);
+        assert_eq!(mode("/public/x"), AnonymousMode::ClientAddress);
+        assert_eq!(mode("/strict"), AnonymousMode::Reject);
+        assert_eq!(mode("/inherits"), AnonymousMode::Shared);
+        // Without [defaults], a route without the key fails closed.
+        let t = ProxyConfig::from_toml_str("[[routes]]\npath = \"/a\"\nanonymous = \"shared\"\n")?
+            .resolve()?;
+        assert_eq!(t.find(&Method::POST, "/a").anonymous, AnonymousMode::Shared);
+        assert_eq!(t.find(&Method::POST, "/b").anonymous, AnonymousMode::Reject);
+        Ok(())
     }
 
     #[test]
@@ -801,6 +877,7 @@ mod tests {
             server_errors = "store"
             key = "optional"
             fingerprint_fields = ["/a"]
+            anonymous = "shared"
             [[routes]]
             method = "post"
             path = "/orders"
@@ -813,6 +890,7 @@ mod tests {
             server_errors = "retry"
             key = "required"
             fingerprint_fields = ["/sku", "/qty"]
+            anonymous = "client-address"
             [[routes]]
             path = "/payments/*"
             biz_type = "payment"
@@ -840,6 +918,7 @@ mod tests {
         assert_eq!(d.policy.max_body_bytes, 2048);
         assert_eq!(d.server_errors, ServerErrors::Store);
         assert_eq!(d.key_requirement(&Method::POST), KeyRequirement::Optional);
+        assert_eq!(d.anonymous, AnonymousMode::Shared);
 
         let o = t.find(&Method::POST, "/orders");
         assert_eq!(o.index(), Some(0));
@@ -857,6 +936,7 @@ mod tests {
         );
         assert_eq!(o.server_errors, ServerErrors::Retry);
         assert_eq!(o.key_requirement(&Method::POST), KeyRequirement::Required);
+        assert_eq!(o.anonymous, AnonymousMode::ClientAddress);
         assert_eq!(
             o.policy.fingerprint_fields,
             vec!["/sku".to_string(), "/qty".to_string()]
@@ -869,6 +949,7 @@ mod tests {
         // Unset keys come from [defaults].
         assert_eq!(p.policy.retention_ms, 1000);
         assert_eq!(p.server_errors, ServerErrors::Store);
+        assert_eq!(p.anonymous, AnonymousMode::Shared);
         assert_eq!(
             p.policy.in_progress,
             InProgressMode::Wait(WaitSpec {
@@ -913,6 +994,13 @@ mod tests {
         assert!(m.contains("server_errors"), "{m}");
         let m = parse_err("[defaults]\nkey = \"maybe\"");
         assert!(m.contains("key"), "{m}");
+        let m = parse_err("[defaults]\nanonymous = \"allow\"");
+        assert!(
+            m.contains("anonymous") && m.contains("client-address"),
+            "{m}"
+        );
+        let m = parse_err("anonymous = \"shared\"");
+        assert!(m.contains("unknown field `anonymous`"), "{m}");
         let m = parse_err("sweep_batch = -1");
         assert!(m.contains("sweep_batch"), "{m}");
         let m = parse_err("upstream_timeout_ms = 0");
@@ -998,6 +1086,7 @@ mod tests {
                     server_errors: Some(ServerErrors::Retry),
                     key: Some(KeyRequirement::Required),
                     fingerprint_fields: Some(Vec::new()),
+                    anonymous: Some(AnonymousMode::Reject),
                 },
                 ..ProxyConfig::default()
             }

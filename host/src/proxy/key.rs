@@ -4,8 +4,12 @@
 //! only turns the header into a string. An empty key is passed on, and the
 //! engine answers `invalid`.
 
+use std::net::IpAddr;
+
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 use sha2::{Digest, Sha256};
+
+use super::config::AnonymousMode;
 
 /// The `Idempotency-Key` header name.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -68,24 +72,41 @@ pub enum ScopeError {
     /// The scope header's value is not UTF-8 or contains a control character.
     #[error("the {0} header must be printable text")]
     NotText(String),
+    /// The request names no client, and the route's `anonymous` is
+    /// `"reject"`.
+    #[error("the request does not identify its client")]
+    Unidentified,
+    /// The route's `anonymous` is `"client-address"`, but the connection's
+    /// address is not known (the router was served without it).
+    #[error("the client's address is not known")]
+    NoClientAddress,
 }
 
 /// The scope of the request's keys: whose keys they are.
 ///
 /// - `hdr:<value>` when `scope_header` is configured and present;
 /// - else `auth:<hex SHA-256 of the Authorization value>`;
-/// - else `anonymous`.
+/// - else, for a request that names no client, as `anonymous` says:
+///   [`AnonymousMode::Reject`] refuses it ([`ScopeError::Unidentified`]),
+///   [`AnonymousMode::Shared`] gives every such request the one scope
+///   `anonymous`, and [`AnonymousMode::ClientAddress`] gives
+///   `addr:<hex SHA-256 of the client's IP address>` (`client`, the TCP
+///   peer; an IPv4-mapped IPv6 address counts as the IPv4 one).
 ///
 /// The prefixes keep the forms apart: no header value can produce the scope
-/// of a credential, so one client never receives another's stored response.
+/// of a credential or of an address. Forwarded headers (`Forwarded`,
+/// `X-Forwarded-For`) are never read: a client can write any value there.
 ///
 /// # Errors
 ///
-/// [`ScopeError`] when the header used occurs more than once, or the scope
-/// header is not text.
+/// [`ScopeError`] when the header used occurs more than once, the scope
+/// header is not text, the request names no client under `reject`, or the
+/// address is needed and `client` is `None`.
 pub fn derive_scope(
     headers: &HeaderMap,
     scope_header: Option<&HeaderName>,
+    anonymous: AnonymousMode,
+    client: Option<IpAddr>,
 ) -> Result<String, ScopeError> {
     if let Some(name) = scope_header
         && let Some(value) = single(headers, name)?
@@ -99,7 +120,17 @@ pub fn derive_scope(
     if let Some(value) = single(headers, &header::AUTHORIZATION)? {
         return Ok(format!("auth:{}", hex(&Sha256::digest(value.as_bytes()))));
     }
-    Ok("anonymous".to_owned())
+    match anonymous {
+        AnonymousMode::Reject => Err(ScopeError::Unidentified),
+        AnonymousMode::Shared => Ok("anonymous".to_owned()),
+        AnonymousMode::ClientAddress => {
+            let ip = client.ok_or(ScopeError::NoClientAddress)?.to_canonical();
+            Ok(format!(
+                "addr:{}",
+                hex(&Sha256::digest(ip.to_string().as_bytes()))
+            ))
+        }
+    }
 }
 
 fn single<'a>(
@@ -267,49 +298,167 @@ mod tests {
         h
     }
 
+    /// The scope under `shared` with no known address: the forms that do
+    /// not depend on the anonymous mode.
+    fn scope(h: &HeaderMap, name: Option<&HeaderName>) -> Result<String, ScopeError> {
+        derive_scope(h, name, AnonymousMode::Shared, None)
+    }
+
+    const MODES: [AnonymousMode; 3] = [
+        AnonymousMode::Reject,
+        AnonymousMode::Shared,
+        AnonymousMode::ClientAddress,
+    ];
+
+    fn ip(text: &str) -> Option<IpAddr> {
+        Some(text.parse().unwrap())
+    }
+
     #[test]
     fn scope_from_authorization_is_a_hash() {
-        let s = derive_scope(&headers(&[("authorization", "Bearer abc")]), None).unwrap();
+        let s = scope(&headers(&[("authorization", "Bearer abc")]), None).unwrap();
         // sha256("Bearer abc")
         let expected = hex(&Sha256::digest(b"Bearer abc"));
         assert_eq!(s, format!("auth:{expected}"));
         assert_eq!(s.len(), 5 + 64);
         assert!(!s.contains("Bearer"));
-        let other = derive_scope(&headers(&[("authorization", "Bearer abd")]), None).unwrap();
+        let other = scope(&headers(&[("authorization", "Bearer abd")]), None).unwrap();
         assert_ne!(s, other);
+        // An identified client's scope never depends on the anonymous mode
+        // or its address.
+        for mode in MODES {
+            let h = headers(&[("authorization", "Bearer abc")]);
+            assert_eq!(derive_scope(&h, None, mode, ip("192.0.2.1")).unwrap(), s);
+            assert_eq!(derive_scope(&h, None, mode, None).unwrap(), s);
+        }
     }
 
     #[test]
     fn scope_from_a_configured_header() {
         let name = HeaderName::from_static("x-tenant-id");
         let h = headers(&[("x-tenant-id", "t-1"), ("authorization", "Bearer abc")]);
-        assert_eq!(derive_scope(&h, Some(&name)).unwrap(), "hdr:t-1");
+        assert_eq!(scope(&h, Some(&name)).unwrap(), "hdr:t-1");
+        for mode in MODES {
+            assert_eq!(
+                derive_scope(&h, Some(&name), mode, None).unwrap(),
+                "hdr:t-1"
+            );
+            let only = headers(&[("x-tenant-id", "t-1")]);
+            assert_eq!(
+                derive_scope(&only, Some(&name), mode, None).unwrap(),
+                "hdr:t-1"
+            );
+        }
         // Not configured: the header is ignored.
-        assert!(derive_scope(&h, None).unwrap().starts_with("auth:"));
-        // Configured but absent: Authorization, then anonymous.
-        let h = headers(&[("authorization", "Bearer abc")]);
-        assert!(derive_scope(&h, Some(&name)).unwrap().starts_with("auth:"));
+        assert!(scope(&h, None).unwrap().starts_with("auth:"));
+        let only = headers(&[("x-tenant-id", "t-1")]);
         assert_eq!(
-            derive_scope(&HeaderMap::new(), Some(&name)).unwrap(),
-            "anonymous"
+            derive_scope(&only, None, AnonymousMode::Reject, None),
+            Err(ScopeError::Unidentified)
+        );
+        // Configured but absent: Authorization, then the anonymous mode.
+        let h = headers(&[("authorization", "Bearer abc")]);
+        assert!(scope(&h, Some(&name)).unwrap().starts_with("auth:"));
+        assert_eq!(scope(&HeaderMap::new(), Some(&name)).unwrap(), "anonymous");
+        assert_eq!(
+            derive_scope(&HeaderMap::new(), Some(&name), AnonymousMode::Reject, None),
+            Err(ScopeError::Unidentified)
         );
     }
 
     #[test]
-    fn scope_without_credentials_is_anonymous() {
-        assert_eq!(derive_scope(&HeaderMap::new(), None).unwrap(), "anonymous");
+    fn unidentified_requests_are_refused_under_reject() {
+        let none = HeaderMap::new();
+        for client in [None, ip("192.0.2.1")] {
+            assert_eq!(
+                derive_scope(&none, None, AnonymousMode::Reject, client),
+                Err(ScopeError::Unidentified)
+            );
+        }
+        // Forwarded headers identify no one.
+        let forwarded = headers(&[
+            ("x-forwarded-for", "198.51.100.7"),
+            ("forwarded", "for=198.51.100.7"),
+            ("x-real-ip", "198.51.100.7"),
+        ]);
+        assert_eq!(
+            derive_scope(&forwarded, None, AnonymousMode::Reject, ip("192.0.2.1")),
+            Err(ScopeError::Unidentified)
+        );
+        // The default mode is reject.
+        assert_eq!(AnonymousMode::default(), AnonymousMode::Reject);
     }
 
     #[test]
-    fn the_two_forms_never_collide() {
+    fn unidentified_requests_share_one_scope_under_shared() {
+        for client in [None, ip("192.0.2.1"), ip("192.0.2.2")] {
+            assert_eq!(
+                derive_scope(&HeaderMap::new(), None, AnonymousMode::Shared, client).unwrap(),
+                "anonymous"
+            );
+        }
+    }
+
+    #[test]
+    fn unidentified_requests_are_scoped_by_address_under_client_address() {
+        let mode = AnonymousMode::ClientAddress;
+        let none = HeaderMap::new();
+        let a = derive_scope(&none, None, mode, ip("192.0.2.1")).unwrap();
+        assert_eq!(a, format!("addr:{}", hex(&Sha256::digest(b"192.0.2.1"))));
+        assert_eq!(a.len(), 5 + 64);
+        assert!(!a.contains("192.0.2.1"));
+        // Another address, another scope; the same address, the same one.
+        let b = derive_scope(&none, None, mode, ip("192.0.2.2")).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(derive_scope(&none, None, mode, ip("192.0.2.1")).unwrap(), a);
+        // An IPv4-mapped IPv6 peer (a dual-stack listener) is the IPv4 one.
+        assert_eq!(
+            derive_scope(&none, None, mode, ip("::ffff:192.0.2.1")).unwrap(),
+            a
+        );
+        let v6 = derive_scope(&none, None, mode, ip("2001:db8::1")).unwrap();
+        assert_eq!(v6, format!("addr:{}", hex(&Sha256::digest(b"2001:db8::1"))));
+        // Forwarded headers are ignored: the connection's address decides.
+        let forged = headers(&[
+            ("x-forwarded-for", "192.0.2.2"),
+            ("forwarded", "for=192.0.2.2"),
+        ]);
+        assert_eq!(
+            derive_scope(&forged, None, mode, ip("192.0.2.1")).unwrap(),
+            a
+        );
+        // Without an address the request is refused, never shared.
+        assert_eq!(
+            derive_scope(&none, None, mode, None),
+            Err(ScopeError::NoClientAddress)
+        );
+    }
+
+    #[test]
+    fn the_forms_never_collide() {
         let name = HeaderName::from_static("x-tenant-id");
-        let auth = derive_scope(&headers(&[("authorization", "x")]), Some(&name)).unwrap();
+        let auth = scope(&headers(&[("authorization", "x")]), Some(&name)).unwrap();
         // A tenant header spelling out the credential's scope still differs.
-        let forged = derive_scope(&headers(&[("x-tenant-id", &auth)]), Some(&name)).unwrap();
+        let forged = scope(&headers(&[("x-tenant-id", &auth)]), Some(&name)).unwrap();
         assert_ne!(auth, forged);
         assert!(forged.starts_with("hdr:auth:"));
-        let anon = derive_scope(&headers(&[("x-tenant-id", "anonymous")]), Some(&name)).unwrap();
+        let anon = scope(&headers(&[("x-tenant-id", "anonymous")]), Some(&name)).unwrap();
         assert_ne!(anon, "anonymous");
+        let addr = derive_scope(
+            &HeaderMap::new(),
+            Some(&name),
+            AnonymousMode::ClientAddress,
+            ip("192.0.2.1"),
+        )
+        .unwrap();
+        let forged = scope(&headers(&[("x-tenant-id", &addr)]), Some(&name)).unwrap();
+        assert_ne!(addr, forged);
+        assert!(forged.starts_with("hdr:addr:"));
+        // An Authorization value spelling an address hashes alike; the
+        // prefixes keep the two apart.
+        let cred = scope(&headers(&[("authorization", "192.0.2.1")]), None).unwrap();
+        assert_eq!(cred[5..], addr[5..]);
+        assert_ne!(cred, addr);
     }
 
     #[test]
@@ -317,18 +466,15 @@ mod tests {
         let name = HeaderName::from_static("x-tenant-id");
         let h = headers(&[("x-tenant-id", "a"), ("x-tenant-id", "b")]);
         assert!(matches!(
-            derive_scope(&h, Some(&name)),
+            scope(&h, Some(&name)),
             Err(ScopeError::Repeated(_))
         ));
         let h = headers(&[("authorization", "a"), ("authorization", "b")]);
-        assert!(matches!(
-            derive_scope(&h, None),
-            Err(ScopeError::Repeated(_))
-        ));
+        assert!(matches!(scope(&h, None), Err(ScopeError::Repeated(_))));
         let mut h = HeaderMap::new();
         h.insert(name.clone(), HeaderValue::from_bytes(b"t\xff").unwrap());
         assert!(matches!(
-            derive_scope(&h, Some(&name)),
+            scope(&h, Some(&name)),
             Err(ScopeError::NotText(_))
         ));
     }

@@ -34,12 +34,13 @@ pub mod server;
 mod service_tests;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Uri, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -47,8 +48,8 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 pub use config::{
-    ConfigError, InProgressConfig, KeyRequirement, PolicyConfig, ProxyConfig, Route, RouteConfig,
-    RouteTable, ServerErrors,
+    AnonymousMode, ConfigError, InProgressConfig, KeyRequirement, PolicyConfig, ProxyConfig, Route,
+    RouteConfig, RouteTable, ServerErrors,
 };
 pub use forward::{UpstreamError, Verdict, classify_status};
 pub use key::{IDEMPOTENCY_KEY, KeyHeaderError, ScopeError, derive_scope, parse_idempotency_key};
@@ -433,6 +434,38 @@ impl Inner {
         problem.into_response()
     }
 
+    /// The answer to a request whose scope could not be derived.
+    fn scope_problem(&self, e: &ScopeError) -> Problem {
+        match e {
+            ScopeError::Repeated(_) | ScopeError::NotText(_) => Problem::new(
+                ProblemType::InvalidRequest,
+                format!("{e}. Send it once, as printable text."),
+            )
+            .with("field", "scope"),
+            ScopeError::Unidentified => {
+                let how = match &self.config.scope_header {
+                    Some(name) => format!("an Authorization header or the {name} header"),
+                    None => "an Authorization header".to_owned(),
+                };
+                Problem::new(
+                    ProblemType::ClientUnidentified,
+                    format!(
+                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send {how}, then retry with the same Idempotency-Key: nothing was stored."
+                    ),
+                )
+            }
+            ScopeError::NoClientAddress => {
+                tracing::error!(
+                    "anonymous = \"client-address\", but the request carries no connection address; serve the router with serve_with or with ConnectInfo<SocketAddr>"
+                );
+                Problem::new(
+                    ProblemType::InternalError,
+                    "The proxy cannot tell this client apart from others and did not forward the request. Send an Authorization header.",
+                )
+            }
+        }
+    }
+
     /// Forwards a request that stores nothing.
     async fn passthrough(&self, request: Request) -> Response {
         self.metrics.request("passthrough");
@@ -496,17 +529,18 @@ impl Inner {
                 ));
             }
         };
-        let scope = match derive_scope(request.headers(), self.routes.scope_header()) {
+        let client = request
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|ConnectInfo(peer)| peer.ip());
+        let scope = match derive_scope(
+            request.headers(),
+            self.routes.scope_header(),
+            route.anonymous,
+            client,
+        ) {
             Ok(scope) => scope,
-            Err(e) => {
-                return self.refuse(
-                    Problem::new(
-                        ProblemType::InvalidRequest,
-                        format!("{e}. Send it once, as printable text."),
-                    )
-                    .with("field", "scope"),
-                );
-            }
+            Err(e) => return self.refuse(self.scope_problem(&e)),
         };
         tracing::Span::current().record("scope", scope.as_str());
         tracing::debug!(idempotency_key = %key, "key read");

@@ -9,8 +9,22 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use serde_json::{Map, Value, json};
 
-/// The base of every problem type URI.
-pub const PROBLEM_BASE: &str = "https://idem.dev/problems/";
+/// The base of every problem type URI: a tag URI (RFC 4151), an identifier
+/// that is not meant to be dereferenced (RFC 9457, section 3.1.1 allows
+/// it).
+///
+/// idem has no domain or published documentation address of its own, so
+/// an `https` type would point at a page nobody serves. `idem.invalid` is
+/// a name reserved never to be assigned (RFC 6761): no one else can mint
+/// a tag under it, so the types cannot collide with anyone's, and nobody
+/// is led to look them up. Each type is documented in the README's
+/// "Problem types" table, which a test keeps in step with [`ProblemType::ALL`].
+pub const PROBLEM_BASE: &str = "tag:idem.invalid,2026:problems/";
+
+/// The challenge sent with every 401: RFC 9110 requires one. idem accepts
+/// any `Authorization` scheme (it only hashes the value), so this names the
+/// usual one for APIs.
+pub const WWW_AUTHENTICATE: &str = "Bearer realm=\"idem\"";
 
 /// The media type of problem bodies.
 pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
@@ -35,6 +49,9 @@ pub enum ProblemType {
     RequestTimeout,
     /// 400: other invalid input (scope, body not JSON, …).
     InvalidRequest,
+    /// 401: a keyed request names no client (neither the scope header nor
+    /// `Authorization`) on a route whose `anonymous` is `"reject"`.
+    ClientUnidentified,
     /// 502: the upstream could not be reached; nothing was sent.
     UpstreamUnavailable,
     /// 504: a request without a key timed out at the upstream.
@@ -50,6 +67,25 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
+    /// Every kind, in the order of the README's table.
+    pub const ALL: [ProblemType; 15] = [
+        ProblemType::KeyMissing,
+        ProblemType::KeyInvalid,
+        ProblemType::KeyReused,
+        ProblemType::RequestInProgress,
+        ProblemType::OutcomeUnknown,
+        ProblemType::BodyTooLarge,
+        ProblemType::RequestTimeout,
+        ProblemType::InvalidRequest,
+        ProblemType::ClientUnidentified,
+        ProblemType::UpstreamUnavailable,
+        ProblemType::UpstreamTimeout,
+        ProblemType::StoreUnavailable,
+        ProblemType::RequestFailed,
+        ProblemType::ResponseNotStored,
+        ProblemType::InternalError,
+    ];
+
     /// The last segment of the type URI, e.g. `key-missing`.
     pub fn slug(self) -> &'static str {
         match self {
@@ -61,6 +97,7 @@ impl ProblemType {
             ProblemType::BodyTooLarge => "body-too-large",
             ProblemType::RequestTimeout => "request-timeout",
             ProblemType::InvalidRequest => "invalid-request",
+            ProblemType::ClientUnidentified => "client-unidentified",
             ProblemType::UpstreamUnavailable => "upstream-unavailable",
             ProblemType::UpstreamTimeout => "upstream-timeout",
             ProblemType::StoreUnavailable => "store-unavailable",
@@ -86,6 +123,7 @@ impl ProblemType {
             ProblemType::BodyTooLarge => "Request body is too large",
             ProblemType::RequestTimeout => "The request did not arrive in time",
             ProblemType::InvalidRequest => "Request is invalid",
+            ProblemType::ClientUnidentified => "The client is not identified",
             ProblemType::UpstreamUnavailable => "Upstream is unavailable",
             ProblemType::UpstreamTimeout => "Upstream timed out",
             ProblemType::StoreUnavailable => "Idempotency store is unavailable",
@@ -101,6 +139,7 @@ impl ProblemType {
             ProblemType::KeyMissing | ProblemType::KeyInvalid | ProblemType::InvalidRequest => {
                 StatusCode::BAD_REQUEST
             }
+            ProblemType::ClientUnidentified => StatusCode::UNAUTHORIZED,
             ProblemType::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemType::RequestInProgress | ProblemType::OutcomeUnknown => StatusCode::CONFLICT,
             ProblemType::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -195,6 +234,12 @@ impl IntoResponse for Problem {
         if let Some(secs) = self.retry_after_secs {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(WWW_AUTHENTICATE),
+            );
+        }
         response
     }
 }
@@ -212,7 +257,7 @@ mod tests {
         .with("field", "idem-key")
         .with("rule", "too-long");
         let v = p.to_json();
-        assert_eq!(v["type"], "https://idem.dev/problems/key-invalid");
+        assert_eq!(v["type"], "tag:idem.invalid,2026:problems/key-invalid");
         assert_eq!(v["title"], "Idempotency-Key is invalid");
         assert_eq!(v["status"], 400);
         assert_eq!(
@@ -260,6 +305,101 @@ mod tests {
             ProblemType::StoreUnavailable.status(),
             StatusCode::SERVICE_UNAVAILABLE
         );
+        assert_eq!(
+            ProblemType::ClientUnidentified.status(),
+            StatusCode::UNAUTHORIZED
+        );
+    }
+
+    #[test]
+    fn type_uris_are_tag_uris_and_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for kind in ProblemType::ALL {
+            let uri = kind.uri();
+            // RFC 4151: tag:<authority>,<date>:<specific>.
+            assert!(uri.starts_with("tag:idem.invalid,2026:problems/"), "{uri}");
+            assert!(
+                kind.slug()
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b == b'-'),
+                "{uri}"
+            );
+            assert!(seen.insert(uri), "{kind:?} repeats a type");
+            assert!(
+                seen.insert(kind.title().to_owned()),
+                "{kind:?} repeats a title"
+            );
+        }
+    }
+
+    /// The rows of the README's "Problem types" table, as cells.
+    fn readme_problem_rows(readme: &str) -> Vec<Vec<String>> {
+        let Some(start) = readme.find("\n### Problem types\n") else {
+            panic!("README.md has no \"### Problem types\" section");
+        };
+        readme[start..]
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .skip(2) // the header and the separator
+            .map(|l| {
+                l.trim_matches('|')
+                    .split(" | ")
+                    .map(|c| c.trim().to_owned())
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_readme_table_lists_exactly_the_catalogue() {
+        let rows = readme_problem_rows(include_str!("../../../README.md"));
+        let mut documented = Vec::new();
+        for row in &rows {
+            assert_eq!(
+                row.len(),
+                6,
+                "a README problem row without 6 cells: {row:?}"
+            );
+            let uri = row[0].trim_matches('`');
+            let Some(kind) = ProblemType::ALL.into_iter().find(|k| k.uri() == uri) else {
+                panic!("the README documents {uri}, which the proxy does not send");
+            };
+            let status = kind.status().as_u16().to_string();
+            assert!(
+                row[1].starts_with(&status),
+                "{uri}: the README says status {:?}, the proxy sends {status}",
+                row[1]
+            );
+            assert_eq!(row[2], kind.title(), "{uri}: the README's title differs");
+            assert!(
+                !row[3].is_empty() && !row[4].is_empty(),
+                "{uri}: empty cells"
+            );
+            assert!(
+                row[5].contains("proxy"),
+                "{uri}: the proxy sends it: {:?}",
+                row[5]
+            );
+            documented.push(kind);
+        }
+        assert_eq!(
+            documented,
+            ProblemType::ALL,
+            "the README's problem table must list every type once, in catalogue order"
+        );
+    }
+
+    #[test]
+    fn a_401_carries_a_challenge() {
+        let r = Problem::new(ProblemType::ClientUnidentified, "who are you").into_response();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            r.headers()[header::WWW_AUTHENTICATE],
+            "Bearer realm=\"idem\""
+        );
+        let r = Problem::new(ProblemType::KeyMissing, "x").into_response();
+        assert!(r.headers().get(header::WWW_AUTHENTICATE).is_none());
     }
 
     #[test]
@@ -269,7 +409,7 @@ mod tests {
             .with("type", "about:blank")
             .to_json();
         assert_eq!(v["status"], 500);
-        assert_eq!(v["type"], "https://idem.dev/problems/internal-error");
+        assert_eq!(v["type"], "tag:idem.invalid,2026:problems/internal-error");
     }
 
     #[test]

@@ -9,12 +9,16 @@
 //! - A request carrying both `Content-Length` and `Transfer-Encoding` is
 //!   refused with `400` before it reaches the router (see [`super::framing`]).
 //!
+//! Every request reaches the router with the connection's peer address as
+//! an [`axum::extract::ConnectInfo`]`<SocketAddr>` extension.
+//!
 //! Malformed heads are hyper's: `400`; too many or too large headers:
 //! `431`; too long a URI: `414`.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -23,6 +27,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::ConnectInfo;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, Request, header};
 use hyper::body::Incoming;
@@ -85,8 +90,14 @@ pub async fn serve_with(
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((tcp, _)) => {
-                connections.spawn(connection(tcp, router.clone(), options, stop_rx.clone()));
+            Ok((tcp, peer)) => {
+                connections.spawn(connection(
+                    tcp,
+                    peer,
+                    router.clone(),
+                    options,
+                    stop_rx.clone(),
+                ));
             }
             Err(e)
                 if matches!(
@@ -151,6 +162,7 @@ fn request_timeout_bytes(timeout: Duration) -> Vec<u8> {
 
 async fn connection(
     tcp: TcpStream,
+    peer: SocketAddr,
     router: Router,
     options: ServeOptions,
     mut stop: watch::Receiver<bool>,
@@ -164,7 +176,10 @@ async fn connection(
         options.header_read_timeout,
     ));
     let router = TowerToHyperService::new(router);
-    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+    let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+        // The peer, as axum's `into_make_service_with_connect_info` gives
+        // it: the proxy's `anonymous = "client-address"` reads it.
+        request.extensions_mut().insert(ConnectInfo(peer));
         let conflicting = lock(&framing).take_verdict();
         let answer = (!conflicting).then(|| hyper::service::Service::call(&router, request));
         let answered = answered.clone();

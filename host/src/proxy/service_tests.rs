@@ -65,11 +65,22 @@ impl Answer {
     }
 }
 
+/// The credentials of every request: the proxy refuses keyed requests
+/// that name no client (`anonymous = "reject"`, the default).
+const CLIENT: &str = "Bearer service-tests";
+
 async fn send(method: &str, url: &str, key: Option<&str>) -> Answer {
+    send_as(method, url, key, Some(CLIENT)).await
+}
+
+async fn send_as(method: &str, url: &str, key: Option<&str>, auth: Option<&str>) -> Answer {
     let client: Client<_, Body> = Client::builder(TokioExecutor::new()).build_http();
     let mut req = Request::builder().method(method).uri(url);
     if let Some(k) = key {
         req = req.header("idempotency-key", k);
+    }
+    if let Some(a) = auth {
+        req = req.header("authorization", a);
     }
     let response = client
         .request(req.body(Body::from("payload")).unwrap())
@@ -105,7 +116,7 @@ async fn the_heartbeat_keeps_a_slow_request_owned() {
     assert_eq!(dup.status, StatusCode::CONFLICT, "{}", dup.text());
     assert_eq!(
         dup.problem_type(),
-        "https://idem.dev/problems/request-in-progress"
+        "tag:idem.invalid,2026:problems/request-in-progress"
     );
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
@@ -134,7 +145,7 @@ async fn a_store_failure_is_503_and_nothing_is_forwarded() {
     assert_eq!(r.headers["retry-after"], "1");
     assert_eq!(
         r.problem_type(),
-        "https://idem.dev/problems/store-unavailable"
+        "tag:idem.invalid,2026:problems/store-unavailable"
     );
     assert!(!r.text().contains("connection lost"), "{}", r.text());
     assert_eq!(count.load(Ordering::SeqCst), 0);
@@ -187,4 +198,36 @@ async fn an_engine_refused_policy_fails_at_start() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("routes[0]") && err.contains("biz"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_address_scopes_need_the_connection_address() {
+    let (up, count) = upstream().await;
+    let config =
+        ProxyConfig::from_toml_str("[defaults]\nanonymous = \"client-address\"\n").unwrap();
+    let p = proxy(MemoryStore::new(), config, &up);
+    // Served by the proxy's own server: the peer address is known, and an
+    // unidentified client gets a scope of its own.
+    let base = spawn(p.router()).await;
+    let r = send_as("POST", &format!("{base}/orders"), Some("k"), None).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    let again = send_as("POST", &format!("{base}/orders"), Some("k"), None).await;
+    assert_eq!(again.text(), r.text());
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+    // Served without it (plain axum::serve): refused, never shared.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, p.router()).await });
+    let r = send_as("POST", &format!("http://{addr}/orders"), Some("k2"), None).await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", r.text());
+    assert_eq!(
+        r.problem_type(),
+        "tag:idem.invalid,2026:problems/internal-error"
+    );
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+    // An identified client needs no address.
+    let r = send("POST", &format!("http://{addr}/orders"), Some("k2")).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert_eq!(count.load(Ordering::SeqCst), 2);
 }
