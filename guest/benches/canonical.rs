@@ -70,7 +70,10 @@ fn main() -> Result<()> {
         let theirs = serde_json_canonicalizer::pipe(&body)?;
         ensure!(theirs.as_bytes() == ours, "reference crate differs");
         // Fingerprint version 2 writes ordinary numbers as RFC 8785 does.
-        ensure!(canonicalize_as(text, Numbers::Exact)? == ours, "version 2 differs");
+        ensure!(
+            canonicalize_as(text, Numbers::Exact)? == ours,
+            "version 2 differs"
+        );
 
         let reps = (budget / size).max(1);
         let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
