@@ -363,7 +363,7 @@ fn engine_on(schema: &PgSchema, app: &str) -> Result<(Engine, PostgresStore, Man
 /// The fingerprint the engine computes for `req`, read back from a record
 /// it writes in a scratch in-memory store: another host's claim of the same
 /// request stores exactly this.
-fn fingerprint_of(req: &BeginRequest) -> Result<String> {
+fn fingerprint_of(req: &BeginRequest) -> Result<(String, u32)> {
     let engine = Engine::builder()
         .storage(MemoryStore::new())
         .clock(ManualClock::new(T0))
@@ -372,7 +372,7 @@ fn fingerprint_of(req: &BeginRequest) -> Result<String> {
     let status = engine
         .inspect(&req.key)?
         .context("the scratch store holds the claim")?;
-    Ok(status.fingerprint)
+    Ok((status.fingerprint, status.fingerprint_version))
 }
 
 /// Waits until a backend named `app` waits for a lock, then kills it.
@@ -464,7 +464,8 @@ fn a_lost_connection_during_begin_is_an_error_never_a_new_key() -> Result<()> {
     let mut executions = 0;
     for (k, commit) in [("k-committed", true), ("k-rolled-back", false)] {
         let other = request(k, BODY);
-        let fingerprint = fingerprint_of(&other)?;
+        let (fingerprint, version) = fingerprint_of(&other)?;
+        let version = i64::from(version);
         let decision = {
             // The other host's claim, inside a transaction that a blocker
             // session holds open.
@@ -475,7 +476,7 @@ fn a_lost_connection_during_begin_is_an_error_never_a_new_key() -> Result<()> {
                     "INSERT INTO \"{}\".idempotency_record (scope_key, biz_type, idem_key, \
                      request_hash, fingerprint_version, status, fencing_token, revision, \
                      attempts, lease_until, created_at, updated_at) \
-                     VALUES ($1, $2, $3, $4, 1, 'processing', 1, 1, 1, $5, $6, $6)",
+                     VALUES ($1, $2, $3, $4, $7, 'processing', 1, 1, 1, $5, $6, $6)",
                     schema.name
                 ),
                 &[
@@ -485,6 +486,7 @@ fn a_lost_connection_during_begin_is_an_error_never_a_new_key() -> Result<()> {
                     &fingerprint,
                     &i64::try_from(T0 + other.policy.lease_ms)?,
                     &i64::try_from(T0)?,
+                    &version,
                 ],
             )?;
             let lost = std::thread::scope(|s| -> Result<_> {
