@@ -30,6 +30,7 @@ pub mod api;
 mod bindings;
 pub mod clock;
 pub mod engine;
+pub mod layer;
 #[cfg(feature = "middleware")]
 pub mod middleware;
 pub mod proxy;

@@ -64,16 +64,56 @@ struct Load {
     rps: f64,
     p50_us: f64,
     p99_us: f64,
+    /// CPU time (user + system) the measured server process used per
+    /// request over the run.
+    cpu_us_per_request: f64,
 }
 
-/// Runs wrk for `seconds` with `connections` connections.
+/// The CPU time (user + system) process `pid` has used so far, in
+/// microseconds, from `/proc/PID/stat` (fields 14 and 15, in clock ticks).
+fn cpu_time_us(pid: u32, ticks_per_s: f64) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let (_, rest) = stat
+        .rsplit_once(')')
+        .ok_or_else(|| anyhow!("/proc/{pid}/stat has no command name"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3 (the state): utime is field 14, stime 15.
+    let (Some(utime), Some(stime)) = (fields.get(11), fields.get(12)) else {
+        bail!("/proc/{pid}/stat is too short");
+    };
+    let ticks = utime.parse::<f64>()? + stime.parse::<f64>()?;
+    Ok(ticks / ticks_per_s * 1e6)
+}
+
+/// The kernel's clock ticks per second (`getconf CLK_TCK`), the unit of
+/// `/proc/PID/stat`'s CPU times.
+fn clock_ticks_per_s() -> Result<f64> {
+    let out = Command::new("getconf").arg("CLK_TCK").output()?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().parse::<f64>()?)
+}
+
+/// The server a load run measures: where to send, and the process whose
+/// CPU time is counted.
+#[derive(Clone, Copy)]
+struct Target {
+    addr: SocketAddr,
+    pid: u32,
+}
+
+/// Runs wrk for `seconds` with `connections` connections against
+/// `target`, counting the CPU time of its process.
 fn wrk(
     script: &std::path::Path,
-    addr: SocketAddr,
+    target: Target,
     (seconds, connections): (u32, u32),
     mode: &str,
     run: &str,
 ) -> Result<Load> {
+    let ticks_per_s = clock_ticks_per_s()?;
+    let addr = target.addr;
+    let cpu_before = cpu_time_us(target.pid, ticks_per_s)?;
     let out = Command::new("wrk")
         .args([
             "-t",
@@ -89,6 +129,7 @@ fn wrk(
         .args(["--", mode, run])
         .output()
         .context("running wrk")?;
+    let cpu_used = cpu_time_us(target.pid, ticks_per_s)? - cpu_before;
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text
         .lines()
@@ -113,6 +154,7 @@ fn wrk(
         rps: requests / (duration_us / 1e6),
         p50_us: p50,
         p99_us: p99,
+        cpu_us_per_request: cpu_used / requests.max(1.0),
     })
 }
 
@@ -153,7 +195,7 @@ fn serve(
     db: &std::path::Path,
     up: SocketAddr,
     config: Option<&std::path::Path>,
-) -> Result<(Serve, SocketAddr)> {
+) -> Result<(Serve, Target)> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
     cmd.arg("--db")
         .arg(db)
@@ -169,6 +211,7 @@ fn serve(
         .spawn()
         .context("starting idem serve")?;
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let pid = child.id();
     let guard = Serve(child);
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line)?;
@@ -177,7 +220,7 @@ fn serve(
         .strip_prefix("idem listening on http://")
         .ok_or_else(|| anyhow!("idem serve printed '{line}'"))?
         .parse()?;
-    Ok((guard, addr))
+    Ok((guard, Target { addr, pid }))
 }
 
 /// Runs the proxy measurements.
@@ -193,11 +236,15 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let up = upstream(&runtime)?;
-    let (_serve, proxied) = serve(&dir.path().join("idem.db"), up, None)?;
+    // The upstream runs in this process: direct runs count its CPU time.
+    let up = Target {
+        addr: upstream(&runtime)?,
+        pid: std::process::id(),
+    };
+    let (_serve, proxied) = serve(&dir.path().join("idem.db"), up.addr, None)?;
     let grouped_config = dir.path().join("group.toml");
     std::fs::write(&grouped_config, "group_commit = true\n")?;
-    let (_grouped, grouped) = serve(&dir.path().join("group.db"), up, Some(&grouped_config))?;
+    let (_grouped, grouped) = serve(&dir.path().join("group.db"), up.addr, Some(&grouped_config))?;
     let secs = settings.proxy_seconds;
     // The replayed key, completed by one connection before 32 replay it
     // (32 at once on a new key would be told it is in progress); and a
@@ -206,52 +253,68 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     wrk(&script, proxied, (1, CONNECTIONS), "new", "warm")?;
     wrk(&script, up, (1, CONNECTIONS), "new", "warm")?;
     wrk(&script, grouped, (1, CONNECTIONS), "new", "warm")?;
-    let kinds: [(&str, SocketAddr, &str); 5] = [
-        ("direct, new keys", up, "new"),
-        ("proxy, first requests", proxied, "new"),
-        ("direct, fixed key", up, "fixed"),
-        ("proxy, replays", proxied, "fixed"),
-        ("proxy, first, grouped", grouped, "new"),
+    let kinds: [(&str, Target, &str, u32); 8] = [
+        ("direct, new keys", up, "new", CONNECTIONS),
+        ("proxy, first requests", proxied, "new", CONNECTIONS),
+        ("direct, fixed key", up, "fixed", CONNECTIONS),
+        ("proxy, replays", proxied, "fixed", CONNECTIONS),
+        ("proxy, first, grouped", grouped, "new", CONNECTIONS),
+        ("direct, new keys", up, "new", 1),
+        ("proxy, first requests", proxied, "new", 1),
+        ("proxy, replays", proxied, "fixed", 1),
     ];
     let rounds = settings.rounds.min(3);
     let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
     for r in 0..rounds {
-        for (k, (_, addr, mode)) in kinds.iter().enumerate() {
+        for (k, (_, target, mode, connections)) in kinds.iter().enumerate() {
             results[k].push(wrk(
                 &script,
-                *addr,
-                (secs, CONNECTIONS),
+                *target,
+                (secs, *connections),
                 mode,
                 &format!("r{r}k{k}"),
             )?);
         }
     }
     println!(
-        "\nproxy: wrk, {CONNECTIONS} connections, {rounds} rounds x {secs} s per kind, \
-         medians over rounds"
+        "\nproxy: wrk, {rounds} rounds x {secs} s per kind, medians over rounds; CPU is the \
+         server process's user + system time per request (idem serve's, or for direct runs \
+         the upstream's)"
     );
     println!(
-        "{:<24} {:>9} {:>9} {:>9}",
-        "kind", "req/s", "p50 us", "p99 us"
+        "{:<24} {:>5} {:>9} {:>9} {:>9} {:>11}",
+        "kind", "conns", "req/s", "p50 us", "p99 us", "CPU us/req"
     );
     let mut p50s = Vec::new();
-    for ((name, _, _), loads) in kinds.iter().zip(&results) {
+    let mut rates = Vec::new();
+    for ((name, _, _, connections), loads) in kinds.iter().zip(&results) {
         let rps = median(&loads.iter().map(|l| l.rps).collect::<Vec<_>>());
         let p50 = median(&loads.iter().map(|l| l.p50_us).collect::<Vec<_>>());
         let p99 = median(&loads.iter().map(|l| l.p99_us).collect::<Vec<_>>());
-        println!("{name:<24} {rps:>9.0} {p50:>9.0} {p99:>9.0}");
+        let cpu = median(
+            &loads
+                .iter()
+                .map(|l| l.cpu_us_per_request)
+                .collect::<Vec<_>>(),
+        );
+        println!("{name:<24} {connections:>5} {rps:>9.0} {p50:>9.0} {p99:>9.0} {cpu:>11.1}");
         p50s.push(p50);
+        rates.push(rps);
         report.add(json!({
-            "section": "proxy", "kind": name, "connections": CONNECTIONS,
+            "section": "proxy", "kind": name, "connections": connections,
             "requests_per_s": rps, "p50_us": p50, "p99_us": p99,
+            "cpu_us_per_request": cpu,
         }));
     }
     println!(
         "first requests add {:+.0} us at p50 ({:+.0} us with group commit); replays {:+.0} us \
-         against the same request direct",
+         against the same request direct; at {CONNECTIONS} connections first requests run at \
+         {:.2}x and replays at {:.2}x the direct rate",
         p50s[1] - p50s[0],
         p50s[4] - p50s[0],
-        p50s[3] - p50s[2]
+        p50s[3] - p50s[2],
+        rates[1] / rates[0],
+        rates[3] / rates[2],
     );
     Ok(())
 }

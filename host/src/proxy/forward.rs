@@ -1,23 +1,25 @@
 //! The upstream side: the HTTP client, header filtering, and what an
 //! upstream answer means for the key.
 
+use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::response::Response;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, StatusCode, Uri, Version, request};
-use http_body_util::BodyExt;
-use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use super::config::ServerErrors;
 use crate::api::Disposition;
+use crate::layer::error::error_chain;
+use crate::layer::{BufferedResponse, Claim};
 use crate::types::StoredResponse;
 
 /// The largest response body the engine stores (its `MAX_RESPONSE_BODY_BYTES`).
@@ -152,82 +154,21 @@ pub fn from_stored(stored: &StoredResponse, replayed: bool) -> Option<Response> 
     Some(response)
 }
 
-/// An upstream answer read into memory (up to [`MAX_STORED_BODY_BYTES`]).
-#[derive(Debug)]
-pub struct BufferedResponse {
-    /// The status.
-    pub status: StatusCode,
-    /// The headers, hop-by-hop headers removed.
-    pub headers: HeaderMap,
-    /// The body, or its first part when `rest` is set.
-    pub body: Bytes,
-    /// The unread rest of a body larger than the store keeps.
-    pub rest: Option<Incoming>,
-}
-
-impl BufferedResponse {
-    /// True when the whole response fits in the store.
-    pub fn storable(&self) -> bool {
-        self.rest.is_none() && storable(&self.headers, self.body.len())
-    }
-
-    /// The stored form; only meaningful when [`Self::storable`].
-    pub fn to_stored(&self) -> StoredResponse {
-        to_stored(self.status, &self.headers, &self.body)
-    }
-
-    /// The response to send to this caller.
-    pub fn into_response(self) -> Response {
-        let body = match self.rest {
-            None => Body::from(self.body),
-            Some(rest) => Body::new(PrefixedBody {
-                prefix: Some(self.body),
-                rest,
-            }),
-        };
-        let mut response = Response::new(body);
-        *response.status_mut() = self.status;
-        *response.headers_mut() = self.headers;
-        response
-    }
-}
-
-/// A body whose first bytes were already read.
-struct PrefixedBody {
-    prefix: Option<Bytes>,
-    rest: Incoming,
-}
-
-impl hyper::body::Body for PrefixedBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if let Some(prefix) = self.prefix.take() {
-            return Poll::Ready(Some(Ok(Frame::data(prefix))));
-        }
-        Pin::new(&mut self.rest).poll_frame(cx)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        let mut hint = self.rest.size_hint();
-        if let Some(p) = &self.prefix {
-            let len = u64::try_from(p.len()).unwrap_or(u64::MAX);
-            hint.set_lower(hint.lower().saturating_add(len));
-            if let Some(upper) = hint.upper() {
-                hint.set_upper(upper.saturating_add(len));
-            }
-        }
-        hint
-    }
-}
-
-/// The upstream server and the client that reaches it.
+/// The upstream server and the client that reaches it; cheap to clone.
+///
+/// As a [`tower::Service`] it is the inner service of `idem serve`'s
+/// [`crate::layer::IdempotencyLayer`]: a request without a
+/// [`crate::layer::Claim`] is forwarded and its answer streamed back, its
+/// head within the timeout; a claimed request's whole answer, body
+/// included, must arrive within the timeout, because it is stored.
 #[derive(Clone, Debug)]
 pub struct Upstream {
+    target: Arc<Target>,
+}
+
+/// Where the upstream is, and the client.
+#[derive(Debug)]
+struct Target {
     scheme: Scheme,
     authority: Authority,
     host: HeaderValue,
@@ -267,20 +208,24 @@ impl Upstream {
         connector.set_connect_timeout(Some(timeout.min(MAX_CONNECT_TIMEOUT)));
         let client = Client::builder(TokioExecutor::new()).build(connector);
         Ok(Upstream {
-            scheme,
-            authority,
-            host,
-            base_path,
-            timeout,
-            client,
+            target: Arc::new(Target {
+                scheme,
+                authority,
+                host,
+                base_path,
+                timeout,
+                client,
+            }),
         })
     }
 
     /// How long the proxy waits for an answer.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.target.timeout
     }
+}
 
+impl Target {
     fn request(&self, parts: &request::Parts, body: Body) -> Result<http::Request<Body>, String> {
         let pq = parts
             .uri
@@ -311,11 +256,7 @@ impl Upstream {
     /// # Errors
     ///
     /// [`UpstreamError`] when no answer came.
-    pub async fn forward(
-        &self,
-        parts: &request::Parts,
-        body: Body,
-    ) -> Result<Response, UpstreamError> {
+    async fn forward(&self, parts: &request::Parts, body: Body) -> Result<Response, UpstreamError> {
         let request = self.request(parts, body).map_err(UpstreamError::NotSent)?;
         let is_head = parts.method == Method::HEAD;
         let answer = tokio::time::timeout(self.timeout, self.client.request(request))
@@ -332,49 +273,49 @@ impl Upstream {
         Ok(Response::from_parts(head, body))
     }
 
-    /// Forwards a request and reads the whole answer (up to
-    /// [`MAX_STORED_BODY_BYTES`]) within the timeout.
-    ///
-    /// # Errors
-    ///
-    /// [`UpstreamError`] when no complete answer came.
-    pub async fn forward_buffered(
+    /// Forwards a claimed request and reads its whole answer (up to one
+    /// byte over what the store keeps) within the timeout, counted from
+    /// the start.
+    async fn forward_claimed(
         &self,
         parts: &request::Parts,
-        body: Bytes,
-    ) -> Result<BufferedResponse, UpstreamError> {
-        let request = self
-            .request(parts, Body::from(body))
-            .map_err(UpstreamError::NotSent)?;
+        body: Body,
+    ) -> Result<Response, UpstreamError> {
+        let request = self.request(parts, body).map_err(UpstreamError::NotSent)?;
         let exchange = async {
             let answer = self.client.request(request).await.map_err(client_error)?;
-            let (mut head, mut incoming) = answer.into_parts();
+            let (mut head, incoming) = answer.into_parts();
             strip_hop_by_hop(&mut head.headers);
-            let mut buf: Vec<u8> = Vec::new();
-            while let Some(frame) = incoming.frame().await {
-                let frame = frame.map_err(|e| UpstreamError::Failed(e.to_string()))?;
-                if let Ok(data) = frame.into_data() {
-                    buf.extend_from_slice(&data);
-                    if buf.len() > MAX_STORED_BODY_BYTES {
-                        return Ok(BufferedResponse {
-                            status: head.status,
-                            headers: head.headers,
-                            body: Bytes::from(buf),
-                            rest: Some(incoming),
-                        });
-                    }
-                }
-            }
-            Ok(BufferedResponse {
-                status: head.status,
-                headers: head.headers,
-                body: Bytes::from(buf),
-                rest: None,
-            })
+            let read = BufferedResponse::read(Response::from_parts(head, incoming))
+                .await
+                .map_err(|e| UpstreamError::Failed(error_chain(&*e)))?;
+            Ok(read.into_response())
         };
         tokio::time::timeout(self.timeout, exchange)
             .await
             .map_err(|_| UpstreamError::Timeout)?
+    }
+}
+
+impl tower::Service<http::Request<Body>> for Upstream {
+    type Response = Response;
+    type Error = UpstreamError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, UpstreamError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), UpstreamError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let target = self.target.clone();
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            if parts.extensions.get::<Claim>().is_some() {
+                target.forward_claimed(&parts, body).await
+            } else {
+                target.forward(&parts, body).await
+            }
+        })
     }
 }
 
@@ -385,17 +326,6 @@ fn client_error(e: hyper_util::client::legacy::Error) -> UpstreamError {
     } else {
         UpstreamError::Failed(text)
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]
@@ -513,7 +443,10 @@ mod tests {
     fn upstream_uris_are_checked() {
         let ok = |s: &str| Upstream::new(&s.parse().unwrap(), Duration::from_secs(1));
         assert!(ok("http://127.0.0.1:9000").is_ok());
-        assert_eq!(ok("http://127.0.0.1:9000/api/").unwrap().base_path, "/api");
+        assert_eq!(
+            ok("http://127.0.0.1:9000/api/").unwrap().target.base_path,
+            "/api"
+        );
         assert!(ok("https://example.com").is_err());
         assert!(ok("/relative").is_err());
         assert!(ok("http://h/?q=1").is_err());

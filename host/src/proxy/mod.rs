@@ -34,35 +34,27 @@ pub mod server;
 mod service_tests;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Request, State};
-use axum::response::{IntoResponse, Response};
-use http::{HeaderMap, Uri, header, request};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
-use tokio_util::task::TaskTracker;
-use tracing::Instrument;
+use http::{HeaderMap, Uri, header};
+use tower::Layer;
 
 pub use config::{
     AnonymousMode, ConfigError, InProgressConfig, KeyRequirement, PolicyConfig, ProxyConfig, Route,
     RouteConfig, RouteTable, ServerErrors,
 };
-pub use forward::{UpstreamError, Verdict, classify_status};
+pub use forward::{Upstream, UpstreamError, Verdict, classify_status};
 pub use key::{IDEMPOTENCY_KEY, KeyHeaderError, ScopeError, derive_scope, parse_idempotency_key};
 pub use metrics::Metrics;
 pub use problem::{Problem, ProblemType};
 pub use server::{ServeOptions, serve_with};
 
-use crate::api::{BeginRequest, BodyKind, Completion, Decision, Disposition, Extension};
-use crate::api::{InputField, InputRule, InvalidInput, Policy, Ticket};
+use crate::api::{BodyKind, InputField, InputRule, InvalidInput};
 use crate::engine::{Engine, Error};
+use crate::layer::IdempotencyLayer;
 use crate::store::Storage;
-use crate::types::{Failure, RecordKey, Success};
-use forward::{BufferedResponse, Upstream};
 
 /// Why the proxy could not be built or could not serve.
 #[derive(Debug, thiserror::Error)]
@@ -78,18 +70,10 @@ pub enum ProxyError {
     Io(#[from] std::io::Error),
 }
 
-/// What the handlers share.
+/// What the admin server reads.
 struct Inner {
-    engine: Engine,
     store: Arc<dyn Storage>,
-    config: ProxyConfig,
-    routes: RouteTable,
-    upstream: Upstream,
     metrics: Metrics,
-    /// Keyed requests in flight. Each runs as its own task, so that a
-    /// client that hangs up never cuts a request between the upstream call
-    /// and the stored outcome; shutdown waits for them.
-    tasks: TaskTracker,
 }
 
 /// A store the proxy can share with its health check: any [`Storage`]
@@ -111,18 +95,20 @@ impl SharedStorage for Arc<dyn Storage> {
     }
 }
 
-/// The proxy: its routers share one engine, one store and one set of
-/// metrics. Cheap to clone.
+/// The proxy: an [`IdempotencyLayer`] over the [`Upstream`]. Its routers
+/// share one engine, one store and one set of metrics. Cheap to clone.
 #[derive(Clone)]
 pub struct Proxy {
+    layer: IdempotencyLayer,
+    upstream: Upstream,
     inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for Proxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Proxy")
-            .field("upstream", &self.inner.upstream)
-            .field("config", &self.inner.config)
+            .field("upstream", &self.upstream)
+            .field("config", self.layer.config())
             .finish_non_exhaustive()
     }
 }
@@ -147,59 +133,40 @@ impl Proxy {
         upstream: Uri,
     ) -> Result<Proxy, ProxyError> {
         let store = store.into_shared();
-        let routes = config.resolve()?;
-        for route in routes.all() {
-            let field = match route.index() {
-                Some(i) => format!("routes[{i}]"),
-                None => "defaults".into(),
-            };
-            if route.policy.expired_lease == crate::api::ExpiredLease::Reconcile {
-                tracing::warn!(
-                    "{field} (biz type '{}') uses expired_lease = \"reconcile\", but the proxy has no business lookup: a key whose lease expires stays blocked (answered 503) until an operator settles it; \"manual\" says so with 409 outcome-unknown",
-                    route.biz_type
-                );
-            }
-            match engine.reconcile(&route.biz_type, &route.policy, 0) {
-                Ok(_) => {}
-                Err(Error::Invalid(i)) => {
-                    return Err(ConfigError::Invalid {
-                        field,
-                        message: i.message,
-                    }
-                    .into());
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not check the policy of {field}");
-                }
-            }
-        }
         let timeout = Duration::from_millis(config.upstream_timeout_ms);
+        let layer = IdempotencyLayer::new(engine, config)?;
+        for biz_type in layer.reconciling_biz_types() {
+            tracing::warn!(
+                "biz type '{biz_type}' uses expired_lease = \"reconcile\", but the proxy has no business lookup: a key whose lease expires stays blocked (answered 503) until an operator settles it; \"manual\" says so with 409 outcome-unknown"
+            );
+        }
         let upstream = Upstream::new(&upstream, timeout).map_err(ProxyError::Upstream)?;
+        let inner = Arc::new(Inner {
+            store,
+            metrics: layer.metrics().clone(),
+        });
         Ok(Proxy {
-            inner: Arc::new(Inner {
-                engine,
-                store,
-                config,
-                routes,
-                upstream,
-                metrics: Metrics::new(),
-                tasks: TaskTracker::new(),
-            }),
+            layer,
+            upstream,
+            inner,
         })
     }
 
     /// Waits for every keyed request still in flight (including those whose
     /// client hung up) to store its outcome. Call after [`serve`] returns.
     pub async fn finish(&self) {
-        self.inner.tasks.close();
-        self.inner.tasks.wait().await;
+        self.layer.finish().await;
     }
 
-    /// The proxy's router: every method and path.
+    /// The proxy's router: every method and path, through the layer to the
+    /// upstream.
     pub fn router(&self) -> Router {
-        Router::new()
-            .fallback(handle)
-            .with_state(self.inner.clone())
+        Router::new().fallback_service(self.layer.layer(self.upstream.clone()))
+    }
+
+    /// The layer the proxy runs its requests through.
+    pub fn layer(&self) -> &IdempotencyLayer {
+        &self.layer
     }
 
     /// The admin router: `GET /healthz` and `GET /metrics`.
@@ -209,19 +176,19 @@ impl Proxy {
 
     /// The proxy's metrics.
     pub fn metrics(&self) -> &Metrics {
-        &self.inner.metrics
+        self.layer.metrics()
     }
 
     /// The configuration.
     pub fn config(&self) -> &ProxyConfig {
-        &self.inner.config
+        self.layer.config()
     }
 
     /// How [`serve_with`] should treat the proxy's clients, from the
     /// configuration.
     pub fn serve_options(&self) -> ServeOptions {
         ServeOptions {
-            header_read_timeout: Duration::from_millis(self.inner.config.header_read_timeout_ms),
+            header_read_timeout: Duration::from_millis(self.config().header_read_timeout_ms),
         }
     }
 
@@ -232,10 +199,18 @@ impl Proxy {
     ///
     /// The engine's error; the batches before it stay deleted.
     pub async fn sweep(&self) -> Result<u64, Error> {
-        let batch = self.inner.config.sweep_batch;
+        let batch = self.config().sweep_batch;
         let mut total = 0u64;
         loop {
-            let deleted = self.inner.blocking(move |e| e.sweep(batch)).await?;
+            let engine = self.layer.engine().clone();
+            let deleted = match tokio::task::spawn_blocking(move || engine.sweep(batch)).await {
+                Ok(deleted) => deleted,
+                Err(e) => Err(Error::Trap(format!("the sweep did not finish: {e}"))),
+            };
+            if let Err(Error::Store(_)) = &deleted {
+                self.metrics().store_error();
+            }
+            let deleted = deleted?;
             total += u64::from(deleted);
             if deleted < batch {
                 return Ok(total);
@@ -247,7 +222,7 @@ impl Proxy {
     /// it is disabled (0). Abort the task to stop it: a batch already
     /// started finishes on its blocking thread, and is one atomic delete.
     pub fn spawn_sweeper(&self) -> Option<tokio::task::JoinHandle<()>> {
-        let interval = self.inner.config.sweep_interval_ms;
+        let interval = self.config().sweep_interval_ms;
         if interval == 0 {
             return None;
         }
@@ -338,578 +313,6 @@ pub fn engine_error_problem(e: &Error) -> Problem {
     }
 }
 
-/// `text` cut to at most `max` bytes at a character boundary.
-fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    text[..end].to_owned()
-}
-
-/// The most bytes read and discarded past the body limit before a 413.
-const DRAIN_MAX_BYTES: u64 = 8 * 1024 * 1024;
-
-/// The longest time spent discarding an oversized body.
-const DRAIN_MAX_TIME: Duration = Duration::from_secs(5);
-
-/// Reads and discards the rest of a body, within [`DRAIN_MAX_BYTES`] and
-/// [`DRAIN_MAX_TIME`].
-async fn drain(mut body: axum::body::Body) {
-    let discard = async {
-        let mut seen = 0u64;
-        while let Some(Ok(frame)) = body.frame().await {
-            if let Some(data) = frame.data_ref() {
-                seen = seen.saturating_add(u64::try_from(data.len()).unwrap_or(u64::MAX));
-                if seen > DRAIN_MAX_BYTES {
-                    return;
-                }
-            }
-        }
-    };
-    let _ = tokio::time::timeout(DRAIN_MAX_TIME, discard).await;
-}
-
-async fn handle(State(inner): State<Arc<Inner>>, request: Request) -> Response {
-    if config::is_safe_method(request.method()) {
-        return inner.passthrough(request).await;
-    }
-    let route = inner
-        .routes
-        .find(request.method(), request.uri().path())
-        .clone();
-    let span = tracing::info_span!(
-        "request",
-        method = %request.method(),
-        path = %request.uri().path(),
-        biz_type = %route.biz_type,
-        scope = tracing::field::Empty,
-    );
-    // A task of its own: if the client hangs up, this handler is dropped,
-    // but the claimed key is still forwarded once and its outcome stored.
-    let task = {
-        let inner = inner.clone();
-        inner
-            .tasks
-            .clone()
-            .spawn(async move { inner.keyed(request, route).await }.instrument(span))
-    };
-    match task.await {
-        Ok(response) => response,
-        Err(e) => {
-            tracing::error!(error = %e, "a request task failed");
-            Problem::new(
-                ProblemType::InternalError,
-                "The request could not be completed. Retry with the same Idempotency-Key.",
-            )
-            .into_response()
-        }
-    }
-}
-
-impl Inner {
-    /// Runs an engine call on a blocking thread; counts store errors.
-    async fn blocking<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Engine) -> Result<R, Error> + Send + 'static,
-    ) -> Result<R, Error> {
-        let engine = self.engine.clone();
-        let answer = match tokio::task::spawn_blocking(move || f(&engine)).await {
-            Ok(answer) => answer,
-            Err(e) => Err(Error::Trap(format!("the engine call did not finish: {e}"))),
-        };
-        if let Err(Error::Store(_)) = &answer {
-            self.metrics.store_error();
-        }
-        answer
-    }
-
-    /// A refusal made by the proxy before asking the engine.
-    fn refuse(&self, problem: Problem) -> Response {
-        self.metrics.request("invalid");
-        tracing::info!(problem = problem.kind.slug(), "request refused");
-        problem.into_response()
-    }
-
-    /// The answer to a request whose scope could not be derived.
-    fn scope_problem(&self, e: &ScopeError) -> Problem {
-        match e {
-            ScopeError::Repeated(_) | ScopeError::NotText(_) => Problem::new(
-                ProblemType::InvalidRequest,
-                format!("{e}. Send it once, as printable text."),
-            )
-            .with("field", "scope"),
-            ScopeError::Unidentified => {
-                let how = match &self.config.scope_header {
-                    Some(name) => format!("an Authorization header or the {name} header"),
-                    None => "an Authorization header".to_owned(),
-                };
-                Problem::new(
-                    ProblemType::ClientUnidentified,
-                    format!(
-                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send {how}, then retry with the same Idempotency-Key: nothing was stored."
-                    ),
-                )
-            }
-            ScopeError::NoClientAddress => {
-                tracing::error!(
-                    "anonymous = \"client-address\", but the request carries no connection address; serve the router with serve_with or with ConnectInfo<SocketAddr>"
-                );
-                Problem::new(
-                    ProblemType::InternalError,
-                    "The proxy cannot tell this client apart from others and did not forward the request. Send an Authorization header.",
-                )
-            }
-        }
-    }
-
-    /// Forwards a request that stores nothing.
-    async fn passthrough(&self, request: Request) -> Response {
-        self.metrics.request("passthrough");
-        let (parts, body) = request.into_parts();
-        let started = Instant::now();
-        let answer = self.upstream.forward(&parts, body).await;
-        self.metrics.upstream_duration(started.elapsed());
-        match answer {
-            Ok(response) => response,
-            Err(e) => {
-                tracing::warn!(error = %e, method = %parts.method, "upstream call failed");
-                match e {
-                    UpstreamError::Timeout => Problem::new(
-                        ProblemType::UpstreamTimeout,
-                        format!(
-                            "The upstream did not answer within {} ms.",
-                            self.config.upstream_timeout_ms
-                        ),
-                    ),
-                    UpstreamError::NotSent(_) | UpstreamError::Failed(_) => Problem::new(
-                        ProblemType::UpstreamUnavailable,
-                        "The upstream could not be reached. Retry later.",
-                    ),
-                }
-                .into_response()
-            }
-        }
-    }
-
-    /// A request that may carry a key.
-    async fn keyed(&self, request: Request, route: Route) -> Response {
-        let mut keys = request.headers().get_all(IDEMPOTENCY_KEY).iter();
-        let key = match (keys.next(), keys.next()) {
-            (None, _) => match route.key_requirement(request.method()) {
-                KeyRequirement::Optional => return self.passthrough(request).await,
-                KeyRequirement::Required => {
-                    return self.refuse(Problem::new(
-                        ProblemType::KeyMissing,
-                        format!(
-                            "{} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it.",
-                            request.method()
-                        ),
-                    ));
-                }
-            },
-            (Some(value), None) => match parse_idempotency_key(value) {
-                Ok(key) => key,
-                Err(e) => {
-                    return self.refuse(Problem::new(
-                        ProblemType::KeyInvalid,
-                        format!(
-                            "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
-                        ),
-                    ));
-                }
-            },
-            (Some(_), Some(_)) => {
-                return self.refuse(Problem::new(
-                    ProblemType::KeyInvalid,
-                    "Several Idempotency-Key headers were sent. Send exactly one.",
-                ));
-            }
-        };
-        let client = request
-            .extensions()
-            .get::<ConnectInfo<SocketAddr>>()
-            .map(|ConnectInfo(peer)| peer.ip());
-        let scope = match derive_scope(
-            request.headers(),
-            self.routes.scope_header(),
-            route.anonymous,
-            client,
-        ) {
-            Ok(scope) => scope,
-            Err(e) => return self.refuse(self.scope_problem(&e)),
-        };
-        tracing::Span::current().record("scope", scope.as_str());
-        tracing::debug!(idempotency_key = %key, "key read");
-
-        let kind = body_kind(request.headers());
-        let (parts, mut body) = request.into_parts();
-        let limit = self.config.max_body_bytes;
-        let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-        let too_large = || {
-            Problem::new(
-                ProblemType::BodyTooLarge,
-                format!(
-                    "The request body is over the limit of {limit} bytes. Send a smaller body."
-                ),
-            )
-            .with("max_body_bytes", limit)
-        };
-        let declared = parts
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok());
-        let drain_cap = u64::from(limit).saturating_add(DRAIN_MAX_BYTES);
-        if declared.is_some_and(|len| len > drain_cap) {
-            // Too large even to read and discard: answer at once (the
-            // connection is closed after the answer).
-            return self.refuse(too_large());
-        }
-        let body_timeout = Duration::from_millis(self.config.body_read_timeout_ms);
-        let read =
-            tokio::time::timeout(body_timeout, Limited::new(&mut body, limit_usize).collect());
-        let Ok(read) = read.await else {
-            // A body that stops before its Content-Length (or trickles):
-            // nothing was asked of the engine, nothing is stored.
-            let mut response = self.refuse(Problem::new(
-                ProblemType::RequestTimeout,
-                format!(
-                    "The request body did not arrive within {} ms. Send it again, whole, with the same Idempotency-Key.",
-                    body_timeout.as_millis()
-                ),
-            ));
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
-            return response;
-        };
-        let bytes = match read {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-                // Read the rest without keeping it, so that a client that
-                // sends the whole body before reading gets the answer.
-                drain(body).await;
-                return self.refuse(too_large());
-            }
-            Err(e) => {
-                tracing::info!(error = %e, "the request body could not be read");
-                return self.refuse(Problem::new(
-                    ProblemType::InvalidRequest,
-                    "The request body could not be read completely. Send it again with the same Idempotency-Key.",
-                ));
-            }
-        };
-
-        let path_and_query = parts
-            .uri
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/")
-            .to_owned();
-        let begin = BeginRequest {
-            key: RecordKey::new(scope, route.biz_type.clone(), key),
-            attributes: vec![
-                ("method".to_owned(), parts.method.as_str().to_owned()),
-                ("path".to_owned(), path_and_query),
-            ],
-            body_kind: kind,
-            body: bytes.to_vec(),
-            policy: route.policy.clone(),
-        };
-        let decision = match self.blocking(move |e| e.begin(&begin)).await {
-            Ok(decision) => decision,
-            Err(e) => {
-                self.metrics.request("error");
-                tracing::error!(error = %e, "the engine could not decide");
-                return engine_error_problem(&e).into_response();
-            }
-        };
-        self.metrics.request(decision.name());
-        tracing::info!(decision = decision.name(), "decided");
-        match decision {
-            Decision::Execute(ticket) => self.execute(parts, bytes, ticket, &route).await,
-            Decision::Replay(replayed) => match replayed.response {
-                Some(stored) => self.replay(&stored),
-                None => Problem::new(
-                    ProblemType::ResponseNotStored,
-                    "The request with this Idempotency-Key was already processed, but its response was not kept and cannot be replayed. Do not send it again.",
-                )
-                .into_response(),
-            },
-            Decision::InProgress(busy) => Problem::new(
-                ProblemType::RequestInProgress,
-                format!(
-                    "The first request with this Idempotency-Key is still being processed. Retry after {} s with the same key and request.",
-                    problem::retry_after_secs(busy.retry_after_ms)
-                ),
-            )
-            .retry_after_ms(busy.retry_after_ms)
-            .into_response(),
-            Decision::Mismatch(_) => {
-                self.metrics.mismatch();
-                Problem::new(
-                    ProblemType::KeyReused,
-                    "This Idempotency-Key was already used with a different request (method, path or body). Use a new key for a new request.",
-                )
-                .into_response()
-            }
-            Decision::Failed(failure) => match failure.response {
-                Some(stored) => self.replay(&stored),
-                None => Problem::new(
-                    ProblemType::RequestFailed,
-                    "The request with this Idempotency-Key failed for good, and no response was kept. Use a new key to try again.",
-                )
-                .into_response(),
-            },
-            Decision::OutcomeUnknown(_) => Problem::new(
-                ProblemType::OutcomeUnknown,
-                "An earlier attempt with this Idempotency-Key may or may not have taken effect. It will not be executed again until the outcome is settled; do not retry it with a new key before checking whether it took effect.",
-            )
-            .into_response(),
-            Decision::Invalid(i) => invalid_problem(&i).into_response(),
-        }
-    }
-
-    /// An answer served from the store.
-    fn replay(&self, stored: &crate::types::StoredResponse) -> Response {
-        self.metrics.replay();
-        forward::from_stored(stored, true).unwrap_or_else(|| {
-            tracing::error!(
-                status = stored.status,
-                "a stored response has an invalid status"
-            );
-            Problem::new(
-                ProblemType::InternalError,
-                "The stored response for this Idempotency-Key cannot be replayed.",
-            )
-            .into_response()
-        })
-    }
-
-    /// Runs the request once at the upstream and stores its outcome.
-    async fn execute(
-        &self,
-        parts: request::Parts,
-        body: Bytes,
-        ticket: Ticket,
-        route: &Route,
-    ) -> Response {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let heartbeat = tokio::spawn(heartbeat(
-            self.engine.clone(),
-            self.metrics.clone(),
-            ticket.clone(),
-            route.policy.clone(),
-            stopped,
-        ));
-        let started = Instant::now();
-        let answer = self.upstream.forward_buffered(&parts, body).await;
-        self.metrics.upstream_duration(started.elapsed());
-        // Stop the heartbeat and wait for an extend in flight, so that it
-        // never races the outcome below.
-        let _ = stop.send(());
-        let _ = heartbeat.await;
-
-        let policy = &route.policy;
-        match answer {
-            Ok(response) => {
-                self.settle_response(&ticket, policy, route.server_errors, &response)
-                    .await;
-                response.into_response()
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "upstream call failed");
-                let (code, disposition) = match &e {
-                    UpstreamError::NotSent(_) => ("upstream-unavailable", Disposition::Retryable),
-                    UpstreamError::Timeout => ("upstream-timeout", Disposition::OutcomeUnknown),
-                    UpstreamError::Failed(_) => ("upstream-failed", Disposition::OutcomeUnknown),
-                };
-                let failure = Failure {
-                    code: code.to_owned(),
-                    message: truncate(&e.to_string(), 4096),
-                    response: None,
-                };
-                self.settle(&ticket, policy, Outcome::Fail(failure, disposition))
-                    .await;
-                match e {
-                    UpstreamError::NotSent(_) => Problem::new(
-                        ProblemType::UpstreamUnavailable,
-                        "The upstream could not be reached and the request was not sent. Retry with the same Idempotency-Key.",
-                    )
-                    .into_response(),
-                    UpstreamError::Timeout => Problem::new(
-                        ProblemType::OutcomeUnknown,
-                        format!(
-                            "The upstream did not answer within {} ms; the request may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-                            self.config.upstream_timeout_ms
-                        ),
-                    )
-                    .with_status(http::StatusCode::GATEWAY_TIMEOUT)
-                    .into_response(),
-                    UpstreamError::Failed(_) => Problem::new(
-                        ProblemType::OutcomeUnknown,
-                        "The connection to the upstream failed after the request was sent; it may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-                    )
-                    .with_status(http::StatusCode::GATEWAY_TIMEOUT)
-                    .into_response(),
-                }
-            }
-        }
-    }
-
-    /// Stores what the upstream's answer means for the key.
-    async fn settle_response(
-        &self,
-        ticket: &Ticket,
-        policy: &Policy,
-        server_errors: ServerErrors,
-        response: &BufferedResponse,
-    ) {
-        let stored = if response.storable() {
-            Some(response.to_stored())
-        } else {
-            tracing::warn!(
-                status = response.status.as_u16(),
-                "the upstream response is larger than the store keeps; it is not stored"
-            );
-            None
-        };
-        let outcome = match classify_status(response.status, server_errors) {
-            Verdict::Complete => Outcome::Complete(Success {
-                result_ref: None,
-                response: stored,
-            }),
-            Verdict::Fail(disposition) => Outcome::Fail(
-                Failure {
-                    code: format!("http-{}", response.status.as_u16()),
-                    message: format!("the upstream answered {}", response.status),
-                    response: if disposition == Disposition::Final {
-                        stored
-                    } else {
-                        None
-                    },
-                },
-                disposition,
-            ),
-        };
-        self.settle(ticket, policy, outcome).await;
-    }
-
-    /// Calls `complete` or `fail`. A response the engine refuses to store
-    /// is dropped and the outcome stored without it.
-    async fn settle(&self, ticket: &Ticket, policy: &Policy, outcome: Outcome) {
-        let mut outcome = outcome;
-        for _ in 0..2 {
-            let (t, p, o) = (ticket.clone(), policy.clone(), outcome.clone());
-            let answer = self
-                .blocking(move |e| match &o {
-                    Outcome::Complete(s) => e.complete(&t, &p, s),
-                    Outcome::Fail(f, d) => e.fail(&t, &p, f, *d),
-                })
-                .await;
-            match answer {
-                Ok(Completion::Recorded) => {
-                    tracing::info!(outcome = outcome.name(), "outcome stored");
-                    return;
-                }
-                Ok(Completion::LostOwnership) => {
-                    tracing::warn!(
-                        "the key was taken over while the upstream ran; this outcome was discarded"
-                    );
-                    return;
-                }
-                Err(Error::Invalid(i)) if outcome.has_response() => {
-                    tracing::warn!(error = %i, "the engine refused to store the response; storing the outcome without it");
-                    outcome = outcome.without_response();
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "the outcome could not be stored; the key stays in progress until its lease ends");
-                    return;
-                }
-            }
-        }
-    }
-}
-
-/// An outcome to store.
-#[derive(Debug, Clone)]
-enum Outcome {
-    Complete(Success),
-    Fail(Failure, Disposition),
-}
-
-impl Outcome {
-    fn name(&self) -> &'static str {
-        match self {
-            Outcome::Complete(_) => "succeeded",
-            Outcome::Fail(_, Disposition::Final) => "failed",
-            Outcome::Fail(_, Disposition::Retryable) => "released",
-            Outcome::Fail(_, Disposition::OutcomeUnknown) => "outcome-unknown",
-        }
-    }
-
-    fn has_response(&self) -> bool {
-        match self {
-            Outcome::Complete(s) => s.response.is_some(),
-            Outcome::Fail(f, _) => f.response.is_some(),
-        }
-    }
-
-    fn without_response(self) -> Outcome {
-        match self {
-            Outcome::Complete(s) => Outcome::Complete(Success {
-                response: None,
-                ..s
-            }),
-            Outcome::Fail(f, d) => Outcome::Fail(
-                Failure {
-                    response: None,
-                    ..f
-                },
-                d,
-            ),
-        }
-    }
-}
-
-/// Extends the lease every half lease until stopped or ownership is lost.
-async fn heartbeat(
-    engine: Engine,
-    metrics: Metrics,
-    ticket: Ticket,
-    policy: Policy,
-    mut stop: tokio::sync::oneshot::Receiver<()>,
-) {
-    let period = Duration::from_millis((policy.lease_ms / 2).max(1));
-    loop {
-        tokio::select! {
-            _ = &mut stop => return,
-            () = tokio::time::sleep(period) => {}
-        }
-        let (e, t, p) = (engine.clone(), ticket.clone(), policy.clone());
-        match tokio::task::spawn_blocking(move || e.extend(&t, &p)).await {
-            Ok(Ok(Extension::Extended(until))) => {
-                tracing::debug!(lease_until = until, "lease extended");
-            }
-            Ok(Ok(Extension::LostOwnership)) => {
-                tracing::warn!("the lease could not be extended: the key was taken over");
-                return;
-            }
-            Ok(Err(e)) => {
-                if let Error::Store(_) = e {
-                    metrics.store_error();
-                }
-                tracing::warn!(error = %e, "the lease could not be extended");
-            }
-            Err(_) => return,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -976,12 +379,5 @@ mod tests {
         assert!(!store.to_json().to_string().contains("down"));
         let trap = engine_error_problem(&Error::Trap("boom".into()));
         assert_eq!(trap.status.as_u16(), 500);
-    }
-
-    #[test]
-    fn truncation_respects_char_boundaries() {
-        assert_eq!(truncate("abc", 5), "abc");
-        assert_eq!(truncate("abcdef", 3), "abc");
-        assert_eq!(truncate("aé", 2), "a");
     }
 }

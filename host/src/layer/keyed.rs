@@ -1,0 +1,634 @@
+//! One request through the layer: key, scope, body, decision, and for
+//! `execute` the inner call, the heartbeat and the stored outcome.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::ConnectInfo;
+use axum::response::IntoResponse;
+use http::{HeaderValue, Request, Response, header, request};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower::{Service, ServiceExt};
+use tracing::Instrument;
+
+use super::body::{BufferedResponse, DRAIN_MAX_BYTES, drain, truncate};
+use super::{BoxError, Claim, InnerFailure, Shared};
+use crate::api::{BeginRequest, Completion, Decision, Disposition, Extension, Policy, Ticket};
+use crate::engine::{Engine, Error};
+use crate::proxy::config::is_safe_method;
+use crate::proxy::forward::from_stored;
+use crate::proxy::{
+    IDEMPOTENCY_KEY, KeyRequirement, Metrics, Problem, ProblemType, Route, ScopeError,
+    ServerErrors, Verdict, body_kind, classify_status, derive_scope, engine_error_problem,
+    invalid_problem, parse_idempotency_key, problem,
+};
+use crate::types::{Failure, RecordKey, StoredResponse, Success};
+
+/// The longest failure message stored with a key.
+const MAX_FAILURE_MESSAGE_BYTES: usize = 4096;
+
+/// How many times an outcome is offered to the store when the engine
+/// refuses the response it carries: once with it, once without.
+const SETTLE_TRIES: usize = 2;
+
+/// Answers one request.
+pub(super) async fn handle<S, ResB>(
+    shared: Arc<Shared>,
+    inner: S,
+    request: Request<Body>,
+) -> Response<Body>
+where
+    S: Service<Request<Body>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    ResB: http_body::Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    if is_safe_method(request.method()) {
+        return shared.passthrough(inner, request).await;
+    }
+    let route = shared
+        .routes
+        .find(request.method(), request.uri().path())
+        .clone();
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        path = %request.uri().path(),
+        biz_type = %route.biz_type,
+        scope = tracing::field::Empty,
+    );
+    // A task of its own: if the client hangs up, this future is dropped,
+    // but a claimed key is still run once and its outcome stored.
+    let task = shared.tasks.clone().spawn(
+        {
+            let shared = shared.clone();
+            async move { shared.keyed(inner, request, route).await }
+        }
+        .instrument(span),
+    );
+    match task.await {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::error!(error = %e, "a request task failed");
+            Problem::new(
+                ProblemType::InternalError,
+                "The request could not be completed. Retry with the same Idempotency-Key.",
+            )
+            .into_response()
+        }
+    }
+}
+
+/// Calls the inner service once it is ready.
+async fn call<S, ResB>(inner: S, request: Request<Body>) -> Result<Response<ResB>, InnerFailure>
+where
+    S: Service<Request<Body>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+{
+    let ready = inner.ready_oneshot().await.map_err(|e| {
+        let e: BoxError = e.into();
+        InnerFailure::NotSent(super::error::error_chain(&*e))
+    })?;
+    ready
+        .oneshot(request)
+        .await
+        .map_err(|e| InnerFailure::from_call_error(e.into()))
+}
+
+impl Shared {
+    /// Runs an engine call on a blocking thread; counts store errors.
+    pub(crate) async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Engine) -> Result<R, Error> + Send + 'static,
+    ) -> Result<R, Error> {
+        let engine = self.engine.clone();
+        let answer = match tokio::task::spawn_blocking(move || f(&engine)).await {
+            Ok(answer) => answer,
+            Err(e) => Err(Error::Trap(format!("the engine call did not finish: {e}"))),
+        };
+        if let Err(Error::Store(_)) = &answer {
+            self.metrics.store_error();
+        }
+        answer
+    }
+
+    /// A refusal made before asking the engine.
+    fn refuse(&self, problem: Problem) -> Response<Body> {
+        self.metrics.request("invalid");
+        tracing::info!(problem = problem.kind.slug(), "request refused");
+        problem.into_response()
+    }
+
+    /// The answer to a request whose scope could not be derived.
+    fn scope_problem(&self, e: &ScopeError) -> Problem {
+        match e {
+            ScopeError::Repeated(_) | ScopeError::NotText(_) => Problem::new(
+                ProblemType::InvalidRequest,
+                format!("{e}. Send it once, as printable text."),
+            )
+            .with("field", "scope"),
+            ScopeError::Unidentified => {
+                let how = match &self.config.scope_header {
+                    Some(name) => format!("an Authorization header or the {name} header"),
+                    None => "an Authorization header".to_owned(),
+                };
+                Problem::new(
+                    ProblemType::ClientUnidentified,
+                    format!(
+                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send {how}, then retry with the same Idempotency-Key: nothing was stored."
+                    ),
+                )
+            }
+            ScopeError::NoClientAddress => {
+                tracing::error!(
+                    "anonymous = \"client-address\", but the request carries no connection address; serve the router with serve_with or with ConnectInfo<SocketAddr>"
+                );
+                Problem::new(
+                    ProblemType::InternalError,
+                    "The proxy cannot tell this client apart from others and did not forward the request. Send an Authorization header.",
+                )
+            }
+        }
+    }
+
+    /// The answer to a request the inner service failed, when it stores
+    /// nothing.
+    fn passthrough_problem(&self, failure: &InnerFailure) -> Problem {
+        match failure {
+            InnerFailure::Timeout => Problem::new(
+                ProblemType::UpstreamTimeout,
+                format!(
+                    "The upstream did not answer within {} ms.",
+                    self.config.upstream_timeout_ms
+                ),
+            ),
+            InnerFailure::NotSent(_) | InnerFailure::Failed(_) => Problem::new(
+                ProblemType::UpstreamUnavailable,
+                "The upstream could not be reached. Retry later.",
+            ),
+        }
+    }
+
+    /// Passes a request that stores nothing to the inner service.
+    async fn passthrough<S, ResB>(&self, inner: S, request: Request<Body>) -> Response<Body>
+    where
+        S: Service<Request<Body>, Response = Response<ResB>>,
+        S::Error: Into<BoxError>,
+        ResB: http_body::Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        self.metrics.request("passthrough");
+        let method = request.method().clone();
+        let started = Instant::now();
+        let answer = call(inner, request).await;
+        self.metrics.upstream_duration(started.elapsed());
+        match answer {
+            Ok(response) => response.map(Body::new),
+            Err(e) => {
+                tracing::warn!(error = %e, %method, "upstream call failed");
+                self.passthrough_problem(&e).into_response()
+            }
+        }
+    }
+
+    /// A request that may carry a key.
+    async fn keyed<S, ResB>(&self, inner: S, request: Request<Body>, route: Route) -> Response<Body>
+    where
+        S: Service<Request<Body>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        ResB: http_body::Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        let mut keys = request.headers().get_all(IDEMPOTENCY_KEY).iter();
+        let key = match (keys.next(), keys.next()) {
+            (None, _) => match route.key_requirement(request.method()) {
+                KeyRequirement::Optional => return self.passthrough(inner, request).await,
+                KeyRequirement::Required => {
+                    return self.refuse(Problem::new(
+                        ProblemType::KeyMissing,
+                        format!(
+                            "{} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it.",
+                            request.method()
+                        ),
+                    ));
+                }
+            },
+            (Some(value), None) => match parse_idempotency_key(value) {
+                Ok(key) => key,
+                Err(e) => {
+                    return self.refuse(Problem::new(
+                        ProblemType::KeyInvalid,
+                        format!(
+                            "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
+                        ),
+                    ));
+                }
+            },
+            (Some(_), Some(_)) => {
+                return self.refuse(Problem::new(
+                    ProblemType::KeyInvalid,
+                    "Several Idempotency-Key headers were sent. Send exactly one.",
+                ));
+            }
+        };
+        let client = request
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|ConnectInfo(peer)| peer.ip());
+        let scope = match derive_scope(
+            request.headers(),
+            self.routes.scope_header(),
+            route.anonymous,
+            client,
+        ) {
+            Ok(scope) => scope,
+            Err(e) => return self.refuse(self.scope_problem(&e)),
+        };
+        tracing::Span::current().record("scope", scope.as_str());
+        tracing::debug!(idempotency_key = %key, "key read");
+
+        let kind = body_kind(request.headers());
+        let (parts, body) = request.into_parts();
+        let bytes = match self.read_body(&parts, body).await {
+            Ok(bytes) => bytes,
+            Err(response) => return *response,
+        };
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|pq| pq.as_str())
+            .unwrap_or("/")
+            .to_owned();
+        let begin = BeginRequest {
+            key: RecordKey::new(scope, route.biz_type.clone(), key),
+            attributes: vec![
+                ("method".to_owned(), parts.method.as_str().to_owned()),
+                ("path".to_owned(), path_and_query),
+            ],
+            body_kind: kind,
+            body: bytes.to_vec(),
+            policy: route.policy.clone(),
+        };
+        let decision = match self.blocking(move |e| e.begin(&begin)).await {
+            Ok(decision) => decision,
+            Err(e) => {
+                self.metrics.request("error");
+                tracing::error!(error = %e, "the engine could not decide");
+                return engine_error_problem(&e).into_response();
+            }
+        };
+        self.metrics.request(decision.name());
+        tracing::info!(decision = decision.name(), "decided");
+        match decision {
+            Decision::Execute(ticket) => self.execute(inner, parts, bytes, ticket, &route).await,
+            Decision::Replay(replayed) => match replayed.response {
+                Some(stored) => self.replay(&stored),
+                None => Problem::new(
+                    ProblemType::ResponseNotStored,
+                    "The request with this Idempotency-Key was already processed, but its response was not kept and cannot be replayed. Do not send it again.",
+                )
+                .into_response(),
+            },
+            Decision::InProgress(busy) => Problem::new(
+                ProblemType::RequestInProgress,
+                format!(
+                    "The first request with this Idempotency-Key is still being processed. Retry after {} s with the same key and request.",
+                    problem::retry_after_secs(busy.retry_after_ms)
+                ),
+            )
+            .retry_after_ms(busy.retry_after_ms)
+            .into_response(),
+            Decision::Mismatch(_) => {
+                self.metrics.mismatch();
+                Problem::new(
+                    ProblemType::KeyReused,
+                    "This Idempotency-Key was already used with a different request (method, path or body). Use a new key for a new request.",
+                )
+                .into_response()
+            }
+            Decision::Failed(failure) => match failure.response {
+                Some(stored) => self.replay(&stored),
+                None => Problem::new(
+                    ProblemType::RequestFailed,
+                    "The request with this Idempotency-Key failed for good, and no response was kept. Use a new key to try again.",
+                )
+                .into_response(),
+            },
+            Decision::OutcomeUnknown(_) => Problem::new(
+                ProblemType::OutcomeUnknown,
+                "An earlier attempt with this Idempotency-Key may or may not have taken effect. It will not be executed again until the outcome is settled; do not retry it with a new key before checking whether it took effect.",
+            )
+            .into_response(),
+            Decision::Invalid(i) => invalid_problem(&i).into_response(),
+        }
+    }
+
+    /// Reads a keyed request's body within `max_body_bytes` and
+    /// `body_read_timeout_ms`; the refusal when it cannot.
+    async fn read_body(
+        &self,
+        parts: &request::Parts,
+        mut body: Body,
+    ) -> Result<Bytes, Box<Response<Body>>> {
+        let limit = self.config.max_body_bytes;
+        let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
+        let too_large = || {
+            Problem::new(
+                ProblemType::BodyTooLarge,
+                format!(
+                    "The request body is over the limit of {limit} bytes. Send a smaller body."
+                ),
+            )
+            .with("max_body_bytes", limit)
+        };
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let drain_cap = u64::from(limit).saturating_add(DRAIN_MAX_BYTES);
+        if declared.is_some_and(|len| len > drain_cap) {
+            // Too large even to read and discard: answer at once (the
+            // connection is closed after the answer).
+            return Err(Box::new(self.refuse(too_large())));
+        }
+        let body_timeout = Duration::from_millis(self.config.body_read_timeout_ms);
+        let read =
+            tokio::time::timeout(body_timeout, Limited::new(&mut body, limit_usize).collect());
+        let Ok(read) = read.await else {
+            // A body that stops before its Content-Length (or trickles):
+            // nothing was asked of the engine, nothing is stored.
+            let mut response = self.refuse(Problem::new(
+                ProblemType::RequestTimeout,
+                format!(
+                    "The request body did not arrive within {} ms. Send it again, whole, with the same Idempotency-Key.",
+                    body_timeout.as_millis()
+                ),
+            ));
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return Err(Box::new(response));
+        };
+        match read {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                drain(body).await;
+                Err(Box::new(self.refuse(too_large())))
+            }
+            Err(e) => {
+                tracing::info!(error = %e, "the request body could not be read");
+                Err(Box::new(self.refuse(Problem::new(
+                    ProblemType::InvalidRequest,
+                    "The request body could not be read completely. Send it again with the same Idempotency-Key.",
+                ))))
+            }
+        }
+    }
+
+    /// An answer served from the store.
+    fn replay(&self, stored: &StoredResponse) -> Response<Body> {
+        self.metrics.replay();
+        from_stored(stored, true).unwrap_or_else(|| {
+            tracing::error!(
+                status = stored.status,
+                "a stored response has an invalid status"
+            );
+            Problem::new(
+                ProblemType::InternalError,
+                "The stored response for this Idempotency-Key cannot be replayed.",
+            )
+            .into_response()
+        })
+    }
+
+    /// Runs the request once in the inner service and stores its outcome.
+    async fn execute<S, ResB>(
+        &self,
+        inner: S,
+        parts: request::Parts,
+        body: Bytes,
+        ticket: Ticket,
+        route: &Route,
+    ) -> Response<Body>
+    where
+        S: Service<Request<Body>, Response = Response<ResB>>,
+        S::Error: Into<BoxError>,
+        ResB: http_body::Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Into<BoxError>,
+    {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let heartbeat = tokio::spawn(heartbeat(
+            self.engine.clone(),
+            self.metrics.clone(),
+            ticket.clone(),
+            route.policy.clone(),
+            stopped,
+        ));
+        let mut request = Request::from_parts(parts, Body::from(body));
+        request.extensions_mut().insert(Claim {
+            ticket: ticket.clone(),
+        });
+        let started = Instant::now();
+        let answer = match call(inner, request).await {
+            Ok(response) => BufferedResponse::read(response)
+                .await
+                .map_err(InnerFailure::from_body_error),
+            Err(e) => Err(e),
+        };
+        self.metrics.upstream_duration(started.elapsed());
+        // Stop the heartbeat and wait for an extend in flight, so that it
+        // never races the outcome below.
+        let _ = stop.send(());
+        let _ = heartbeat.await;
+
+        let policy = &route.policy;
+        match answer {
+            Ok(response) => {
+                let outcome = outcome_of(&response, route.server_errors);
+                self.settle(&ticket, policy, outcome).await;
+                response.into_response()
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "upstream call failed");
+                let failure = Failure {
+                    code: e.code().to_owned(),
+                    message: truncate(&e.to_string(), MAX_FAILURE_MESSAGE_BYTES),
+                    response: None,
+                };
+                self.settle(&ticket, policy, Outcome::Fail(failure, e.disposition()))
+                    .await;
+                self.execute_problem(&e).into_response()
+            }
+        }
+    }
+
+    /// The answer to the caller whose claimed request the inner service
+    /// failed.
+    fn execute_problem(&self, failure: &InnerFailure) -> Problem {
+        match failure {
+            InnerFailure::NotSent(_) => Problem::new(
+                ProblemType::UpstreamUnavailable,
+                "The upstream could not be reached and the request was not sent. Retry with the same Idempotency-Key.",
+            ),
+            InnerFailure::Timeout => Problem::new(
+                ProblemType::OutcomeUnknown,
+                format!(
+                    "The upstream did not answer within {} ms; the request may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
+                    self.config.upstream_timeout_ms
+                ),
+            )
+            .with_status(http::StatusCode::GATEWAY_TIMEOUT),
+            InnerFailure::Failed(_) => Problem::new(
+                ProblemType::OutcomeUnknown,
+                "The upstream failed after the request was sent; it may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
+            )
+            .with_status(http::StatusCode::GATEWAY_TIMEOUT),
+        }
+    }
+
+    /// Calls `complete` or `fail`. A response the engine refuses to store
+    /// is dropped and the outcome stored without it.
+    async fn settle(&self, ticket: &Ticket, policy: &Policy, outcome: Outcome) {
+        let mut outcome = outcome;
+        for _ in 0..SETTLE_TRIES {
+            let (t, p, o) = (ticket.clone(), policy.clone(), outcome.clone());
+            let answer = self
+                .blocking(move |e| match &o {
+                    Outcome::Complete(s) => e.complete(&t, &p, s),
+                    Outcome::Fail(f, d) => e.fail(&t, &p, f, *d),
+                })
+                .await;
+            match answer {
+                Ok(Completion::Recorded) => {
+                    tracing::info!(outcome = outcome.name(), "outcome stored");
+                    return;
+                }
+                Ok(Completion::LostOwnership) => {
+                    tracing::warn!(
+                        "the key was taken over while the upstream ran; this outcome was discarded"
+                    );
+                    return;
+                }
+                Err(Error::Invalid(i)) if outcome.has_response() => {
+                    tracing::warn!(error = %i, "the engine refused to store the response; storing the outcome without it");
+                    outcome = outcome.without_response();
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "the outcome could not be stored; the key stays in progress until its lease ends");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// What the inner service's answer means for the key.
+fn outcome_of(response: &BufferedResponse, server_errors: ServerErrors) -> Outcome {
+    let stored = if response.storable() {
+        Some(response.to_stored())
+    } else {
+        tracing::warn!(
+            status = response.status.as_u16(),
+            "the response is larger than the store keeps; it is not stored"
+        );
+        None
+    };
+    match classify_status(response.status, server_errors) {
+        Verdict::Complete => Outcome::Complete(Success {
+            result_ref: None,
+            response: stored,
+        }),
+        Verdict::Fail(disposition) => Outcome::Fail(
+            Failure {
+                code: format!("http-{}", response.status.as_u16()),
+                message: format!("the upstream answered {}", response.status),
+                response: if disposition == Disposition::Final {
+                    stored
+                } else {
+                    None
+                },
+            },
+            disposition,
+        ),
+    }
+}
+
+/// An outcome to store.
+#[derive(Debug, Clone)]
+enum Outcome {
+    Complete(Success),
+    Fail(Failure, Disposition),
+}
+
+impl Outcome {
+    fn name(&self) -> &'static str {
+        match self {
+            Outcome::Complete(_) => "succeeded",
+            Outcome::Fail(_, Disposition::Final) => "failed",
+            Outcome::Fail(_, Disposition::Retryable) => "released",
+            Outcome::Fail(_, Disposition::OutcomeUnknown) => "outcome-unknown",
+        }
+    }
+
+    fn has_response(&self) -> bool {
+        match self {
+            Outcome::Complete(s) => s.response.is_some(),
+            Outcome::Fail(f, _) => f.response.is_some(),
+        }
+    }
+
+    fn without_response(self) -> Outcome {
+        match self {
+            Outcome::Complete(s) => Outcome::Complete(Success {
+                response: None,
+                ..s
+            }),
+            Outcome::Fail(f, d) => Outcome::Fail(
+                Failure {
+                    response: None,
+                    ..f
+                },
+                d,
+            ),
+        }
+    }
+}
+
+/// Extends the lease every half lease until stopped or ownership is lost.
+async fn heartbeat(
+    engine: Engine,
+    metrics: Metrics,
+    ticket: Ticket,
+    policy: Policy,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let period = Duration::from_millis((policy.lease_ms / 2).max(1));
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            () = tokio::time::sleep(period) => {}
+        }
+        let (e, t, p) = (engine.clone(), ticket.clone(), policy.clone());
+        match tokio::task::spawn_blocking(move || e.extend(&t, &p)).await {
+            Ok(Ok(Extension::Extended(until))) => {
+                tracing::debug!(lease_until = until, "lease extended");
+            }
+            Ok(Ok(Extension::LostOwnership)) => {
+                tracing::warn!("the lease could not be extended: the key was taken over");
+                return;
+            }
+            Ok(Err(e)) => {
+                if let Error::Store(_) = e {
+                    metrics.store_error();
+                }
+                tracing::warn!(error = %e, "the lease could not be extended");
+            }
+            Err(_) => return,
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! [`IdempotencyLayer`]: a tower layer that makes a service's unsafe
+//! requests idempotent with an `Idempotency-Key` header.
+//!
+//! It wraps any `tower::Service<http::Request<Body>>`: an axum router in
+//! the same process, or a client that forwards to an upstream (which is
+//! what `idem serve` is: this layer over [`crate::proxy::forward::Upstream`]).
+//! Both get the same rules, the same configuration ([`ProxyConfig`]: routes,
+//! biz types, policies), the same problems and the same [`Metrics`].
+//!
+//! For each request the layer reads the key and the client's scope, reads
+//! the body (at most `max_body_bytes`), asks the [`Engine`], and only on
+//! `execute` calls the inner service: once per key, with a [`Claim`] in
+//! the request's extensions. While the inner service runs, the layer
+//! extends the key's lease (the heartbeat); when it answers, the layer
+//! stores the outcome and answers the caller. Duplicates are answered from
+//! the store with `Idempotent-Replayed: true`. A claimed request runs on a
+//! task of its own: a client that hangs up never cuts it between the inner
+//! call and the stored outcome, and [`IdempotencyLayer::finish`] waits for
+//! such tasks at shutdown.
+//!
+//! Engine calls run on tokio's blocking pool: the service never blocks a
+//! worker thread on the store and needs no `spawn_blocking` of its own.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use idem::layer::IdempotencyLayer;
+//! use idem::proxy::ProxyConfig;
+//! use idem::{Engine, SqliteStore};
+//!
+//! # async fn run() -> anyhow::Result<()> {
+//! let store = SqliteStore::open("idem.db", Default::default())?;
+//! let engine = Engine::builder().storage(store).build()?;
+//! let app = Router::new()
+//!     .route("/orders", post(|| async { (http::StatusCode::CREATED, "order 1") }))
+//!     .layer(IdempotencyLayer::new(engine, ProxyConfig::default())?);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(()) }
+//! ```
+
+mod body;
+pub(crate) mod error;
+mod future;
+mod keyed;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use http::{Request, Response};
+use tokio_util::task::TaskTracker;
+use tower::{Layer, Service};
+
+pub use body::BufferedResponse;
+pub use error::InnerFailure;
+pub use future::ResponseFuture;
+
+use crate::api::{ExpiredLease, Ticket};
+use crate::engine::{Engine, Error};
+use crate::proxy::{ConfigError, Metrics, ProxyConfig, RouteTable};
+
+/// A boxed error, as tower services return them.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The key a request executes under, put in the request's extensions for
+/// the inner service: a handler can read it (axum: `Extension<Claim>`) to
+/// pass the fencing token to its own writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The ownership of the key: its record, fencing token and attempt.
+    pub ticket: Ticket,
+}
+
+/// What every service of one layer shares.
+pub(crate) struct Shared {
+    pub(crate) engine: Engine,
+    pub(crate) config: ProxyConfig,
+    pub(crate) routes: RouteTable,
+    pub(crate) metrics: Metrics,
+    /// Claimed requests in flight, each on a task of its own.
+    pub(crate) tasks: TaskTracker,
+}
+
+/// The layer: holds the engine and the configuration; cheap to clone.
+/// Every service it makes shares one engine, one route table and one set
+/// of metrics.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer deciding with `engine` under `config`.
+    ///
+    /// Each route's biz type and policy are checked by the engine here (a
+    /// `reconcile` of zero records), so a policy the engine would refuse
+    /// fails now rather than on every request.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for an invalid configuration; the error names the
+    /// field (`defaults` or `routes[i]`).
+    pub fn new(engine: Engine, config: ProxyConfig) -> Result<IdempotencyLayer, ConfigError> {
+        let routes = config.resolve()?;
+        for route in routes.all() {
+            let field = match route.index() {
+                Some(i) => format!("routes[{i}]"),
+                None => "defaults".into(),
+            };
+            match engine.reconcile(&route.biz_type, &route.policy, 0) {
+                Ok(_) => {}
+                Err(Error::Invalid(i)) => {
+                    return Err(ConfigError::Invalid {
+                        field,
+                        message: i.message,
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not check the policy of {field}");
+                }
+            }
+        }
+        Ok(IdempotencyLayer {
+            shared: Arc::new(Shared {
+                engine,
+                config,
+                routes,
+                metrics: Metrics::new(),
+                tasks: TaskTracker::new(),
+            }),
+        })
+    }
+
+    /// The metrics of every service this layer made.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ProxyConfig {
+        &self.shared.config
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.shared.engine
+    }
+
+    /// The routes whose expired leases are reconciled (`expired_lease =
+    /// "reconcile"`), by biz type: such keys need a result lookup.
+    pub fn reconciling_biz_types(&self) -> impl Iterator<Item = &str> {
+        self.shared
+            .routes
+            .all()
+            .filter(|r| r.policy.expired_lease == ExpiredLease::Reconcile)
+            .map(|r| r.biz_type.as_str())
+    }
+
+    /// Waits for every claimed request still in flight (including those
+    /// whose client hung up) to store its outcome. Call at shutdown, after
+    /// the server stopped taking requests.
+    pub async fn finish(&self) {
+        self.shared.tasks.close();
+        self.shared.tasks.wait().await;
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Idempotency<S> {
+        Idempotency {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] makes around `S`.
+///
+/// It never fails: every refusal, store failure or inner error is answered
+/// with an RFC 9457 problem (see the README's "Problem types"). It is
+/// always ready; the inner service's readiness is awaited per request, and
+/// an inner service that cannot become ready is answered as "not sent"
+/// (the key is released for a retry).
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> std::fmt::Debug for Idempotency<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency").finish_non_exhaustive()
+    }
+}
+
+impl<S, B, ResB> Service<Request<B>> for Idempotency<S>
+where
+    S: Service<Request<Body>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResB: http_body::Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> ResponseFuture {
+        let shared = self.shared.clone();
+        let inner = self.inner.clone();
+        let request = request.map(Body::new);
+        ResponseFuture::new(async move { Ok(keyed::handle(shared, inner, request).await) })
+    }
+}

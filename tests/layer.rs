@@ -1,0 +1,526 @@
+//! The tower layer in front of an in-process axum app: every row of the
+//! README's "What the proxy does" table, answered by the layer the way
+//! `idem serve` answers it, with the handler's executions counted.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Extension, State};
+use axum::http::{HeaderMap, Request, Response, StatusCode};
+use axum::routing::{get, post};
+use idem::layer::{Claim, IdempotencyLayer};
+use idem::proxy::{ProxyConfig, UpstreamError};
+use idem::{Engine, ManualClock, MemoryStore, SqliteStore, Storage};
+use tower::ServiceExt;
+use tower::util::BoxCloneSyncService;
+
+/// The credentials every request sends unless a test says otherwise.
+const CLIENT: &str = "Bearer layer-tests";
+
+/// A time for the engine's clock.
+const T0: u64 = 1_700_000_000_000;
+
+/// The app's executions, and what a handler blocked in `/slow` waits for.
+#[derive(Clone, Default)]
+struct App {
+    runs: Arc<AtomicUsize>,
+    started: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+impl App {
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    fn count(&self) -> usize {
+        self.runs.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    fn router(&self) -> Router {
+        Router::new()
+            .route(
+                "/orders",
+                post(|State(app): State<App>, body: String| async move {
+                    let n = app.count();
+                    (
+                        StatusCode::CREATED,
+                        [("x-order", n.to_string())],
+                        format!("order {n}: {body}"),
+                    )
+                })
+                .put(|State(app): State<App>| async move { format!("put {}", app.count()) })
+                .get(|State(app): State<App>| async move { format!("get {}", app.count()) }),
+            )
+            .route(
+                "/status/{code}",
+                post(
+                    |State(app): State<App>,
+                     axum::extract::Path(code): axum::extract::Path<u16>| async move {
+                        let n = app.count();
+                        let status =
+                            StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                        (status, format!("status {code}, run {n}"))
+                    },
+                ),
+            )
+            .route(
+                "/slow",
+                post(|State(app): State<App>| async move {
+                    let n = app.count();
+                    app.started.notify_one();
+                    app.release.notified().await;
+                    (StatusCode::CREATED, format!("slow {n}"))
+                }),
+            )
+            .route(
+                "/claim",
+                post(
+                    |State(app): State<App>, Extension(claim): Extension<Claim>| async move {
+                        app.count();
+                        format!("fencing {}", claim.ticket.fencing_token)
+                    },
+                ),
+            )
+            .route("/health", get(|| async { "ok" }))
+            .with_state(self.clone())
+    }
+}
+
+/// What a client got.
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Answer {
+    fn problem_type(&self) -> String {
+        let v: serde_json::Value = serde_json::from_str(&self.body).unwrap_or_default();
+        let t = v["type"].as_str().unwrap_or("");
+        t.strip_prefix("tag:idem.invalid,2026:problems/")
+            .unwrap_or(t)
+            .to_owned()
+    }
+
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+/// One request built the usual way: a JSON body, the test client's
+/// credentials, an optional key.
+fn request(method: &str, path: &str, key: Option<&str>, body: &str) -> Request<Body> {
+    let mut r = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .header("authorization", CLIENT);
+    if let Some(k) = key {
+        r = r.header("idempotency-key", k);
+    }
+    r.body(Body::from(body.to_owned()))
+        .unwrap_or_else(|_| Request::new(Body::empty()))
+}
+
+async fn send(router: &Router, request: Request<Body>) -> Result<Answer> {
+    let response: Response<Body> = router.clone().oneshot(request).await?;
+    let (head, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await?;
+    Ok(Answer {
+        status: head.status,
+        headers: head.headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+fn engine(store: impl Storage + Clone) -> Result<Engine> {
+    Ok(Engine::builder()
+        .storage(store)
+        .clock(ManualClock::new(T0))
+        .build()?)
+}
+
+fn layer(store: MemoryStore, toml: &str) -> Result<IdempotencyLayer> {
+    Ok(IdempotencyLayer::new(
+        engine(store)?,
+        ProxyConfig::from_toml_str(toml)?,
+    )?)
+}
+
+/// The app behind a layer on a fresh in-memory store.
+fn app(toml: &str) -> Result<(App, Router, MemoryStore)> {
+    let store = MemoryStore::new();
+    let app = App::default();
+    let router = app.router().layer(layer(store.clone(), toml)?);
+    Ok((app, router, store))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn safe_methods_pass_straight_through() -> Result<()> {
+    let (app, router, _) = app("")?;
+    for _ in 0..2 {
+        let r = send(&router, request("GET", "/orders", Some("k"), "")).await?;
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(!r.replayed());
+    }
+    assert_eq!(app.runs(), 2, "GET is never deduplicated");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_needs_a_key_and_put_only_when_it_has_one() -> Result<()> {
+    let (app, router, _) = app("")?;
+    let r = send(&router, request("POST", "/orders", None, "{}")).await?;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert_eq!(r.problem_type(), "key-missing");
+    assert_eq!(app.runs(), 0);
+
+    let (_, optional, _) = self::app("[defaults]\nkey = \"optional\"\n")?;
+    let r = send(&optional, request("POST", "/orders", None, "{}")).await?;
+    assert_eq!(r.status, StatusCode::CREATED);
+
+    for _ in 0..2 {
+        let r = send(&router, request("PUT", "/orders", None, "")).await?;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    assert_eq!(app.runs(), 2, "PUT without a key passes through");
+    let first = send(&router, request("PUT", "/orders", Some("p"), "{}")).await?;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    let again = send(&router, request("PUT", "/orders", Some("p"), "{}")).await?;
+    assert_eq!(again.body, first.body);
+    assert!(again.replayed());
+    assert_eq!(app.runs(), 3, "PUT with a key runs once");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_keys_and_unidentified_clients_are_refused() -> Result<()> {
+    let (app, router, _) = app("")?;
+    for bad in ["\"unterminated", "a b", "\"\""] {
+        let r = send(&router, request("POST", "/orders", Some(bad), "{}")).await?;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}: {}", r.body);
+        assert_eq!(r.problem_type(), "key-invalid", "{bad}");
+    }
+    let mut twice = request("POST", "/orders", Some("a"), "{}");
+    twice
+        .headers_mut()
+        .append("idempotency-key", "b".parse().context("header")?);
+    let r = send(&router, twice).await?;
+    assert_eq!(r.problem_type(), "key-invalid");
+
+    let mut anonymous = request("POST", "/orders", Some("k"), "{}");
+    anonymous.headers_mut().remove("authorization");
+    let r = send(&router, anonymous).await?;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{}", r.body);
+    assert_eq!(r.problem_type(), "client-unidentified");
+    assert_eq!(r.headers["www-authenticate"], "Bearer realm=\"idem\"");
+    assert_eq!(app.runs(), 0, "nothing reached the handler");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_gets_the_stored_answer_and_a_changed_request_422() -> Result<()> {
+    let (app, router, _) = app("")?;
+    let first = send(
+        &router,
+        request("POST", "/orders", Some("k1"), r#"{"a":1}"#),
+    )
+    .await?;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, r#"order 1: {"a":1}"#);
+    assert!(!first.replayed());
+    // The same JSON spelled differently is the same request.
+    let again = send(
+        &router,
+        request("POST", "/orders", Some("k1"), r#"{ "a" : 1.0 }"#),
+    )
+    .await?;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.headers["x-order"], "1");
+    assert!(again.replayed());
+    assert_eq!(app.runs(), 1);
+
+    let other_body = send(
+        &router,
+        request("POST", "/orders", Some("k1"), r#"{"a":2}"#),
+    )
+    .await?;
+    assert_eq!(other_body.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other_body.problem_type(), "key-reused");
+    let other_path = send(
+        &router,
+        request("POST", "/orders?x=1", Some("k1"), r#"{"a":1}"#),
+    )
+    .await?;
+    assert_eq!(other_path.problem_type(), "key-reused");
+    assert_eq!(app.runs(), 1);
+
+    // Another client's same key is another key.
+    let mut other = request("POST", "/orders", Some("k1"), r#"{"a":1}"#);
+    other
+        .headers_mut()
+        .insert("authorization", "Bearer someone-else".parse()?);
+    let r = send(&router, other).await?;
+    assert!(!r.replayed());
+    assert_eq!(app.runs(), 2);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_while_the_first_runs_is_409_and_a_lost_client_does_not_cancel() -> Result<()> {
+    let (app, router, _) = app("")?;
+    // The first request's client gives up while the handler runs.
+    let first = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, request("POST", "/slow", Some("s"), "{}")).await }
+    });
+    app.started.notified().await;
+    first.abort();
+
+    let dup = send(&router, request("POST", "/slow", Some("s"), "{}")).await?;
+    assert_eq!(dup.status, StatusCode::CONFLICT, "{}", dup.body);
+    assert_eq!(dup.problem_type(), "request-in-progress");
+    assert!(dup.headers.contains_key("retry-after"));
+
+    // The handler finishes although its caller is gone; the answer is
+    // stored for the retry.
+    app.release.notify_one();
+    let mut replay = None;
+    for _ in 0..200 {
+        let r = send(&router, request("POST", "/slow", Some("s"), "{}")).await?;
+        if r.status != StatusCode::CONFLICT {
+            replay = Some(r);
+            break;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let replay = replay.context("the first request never finished")?;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.body, "slow 1");
+    assert!(replay.replayed());
+    assert_eq!(app.runs(), 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_limit_is_413_and_stores_nothing() -> Result<()> {
+    let (app, router, _) = app("max_body_bytes = 16\n")?;
+    let big = "x".repeat(17);
+    let r = send(&router, request("POST", "/orders", Some("b"), &big)).await?;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.body);
+    assert_eq!(r.problem_type(), "body-too-large");
+    let r = send(&router, request("POST", "/orders", Some("b"), "{}")).await?;
+    assert_eq!(r.status, StatusCode::CREATED, "the key was never claimed");
+    assert_eq!(app.runs(), 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_statuses_are_stored_or_not_as_the_proxy_stores_them() -> Result<()> {
+    let (app, router, _) = app("")?;
+    // 5xx: returned, not stored; the retry runs again.
+    for (code, stored) in [
+        (500, false),
+        (503, false),
+        (409, false),
+        (429, false),
+        (404, true),
+        (400, true),
+        (202, true),
+    ] {
+        let key = format!("status-{code}");
+        let path = format!("/status/{code}");
+        let before = app.runs();
+        let first = send(&router, request("POST", &path, Some(&key), "{}")).await?;
+        assert_eq!(first.status.as_u16(), code);
+        let again = send(&router, request("POST", &path, Some(&key), "{}")).await?;
+        assert_eq!(again.status.as_u16(), code);
+        if stored {
+            assert!(again.replayed(), "{code} is stored and replayed");
+            assert_eq!(again.body, first.body);
+            assert_eq!(app.runs(), before + 1, "{code}");
+        } else {
+            assert!(!again.replayed(), "{code} is never stored");
+            assert_eq!(app.runs(), before + 2, "{code}");
+        }
+    }
+    // server_errors = "store": a 5xx is final, stored and replayed.
+    let (stored_app, store_5xx, _) = self::app("[defaults]\nserver_errors = \"store\"\n")?;
+    send(&store_5xx, request("POST", "/status/500", Some("s5"), "{}")).await?;
+    let again = send(&store_5xx, request("POST", "/status/500", Some("s5"), "{}")).await?;
+    assert_eq!(again.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(again.replayed());
+    assert_eq!(stored_app.runs(), 1);
+    Ok(())
+}
+
+/// A service that fails every call with `error`, counting the calls.
+fn failing(
+    calls: Arc<AtomicUsize>,
+    error: fn() -> idem::layer::BoxError,
+) -> BoxCloneSyncService<Request<Body>, Response<Body>, idem::layer::BoxError> {
+    BoxCloneSyncService::new(tower::service_fn(move |_request: Request<Body>| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        async move { Err::<Response<Body>, _>(error()) }
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inner_service_that_never_got_the_request_releases_the_key() -> Result<()> {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = tower::Layer::layer(
+        &layer(store, "")?,
+        failing(calls.clone(), || {
+            Box::new(UpstreamError::NotSent("connection refused".into()))
+        }),
+    );
+    let router = Router::new().fallback_service(service);
+    for _ in 0..2 {
+        let r = send(&router, request("POST", "/orders", Some("n"), "{}")).await?;
+        assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.body);
+        assert_eq!(r.problem_type(), "upstream-unavailable");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "a released key runs again");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inner_error_after_the_request_leaves_the_outcome_unknown() -> Result<()> {
+    let errors: [fn() -> idem::layer::BoxError; 3] = [
+        || Box::new(std::io::Error::other("connection reset")),
+        || Box::new(UpstreamError::Timeout),
+        || Box::new(tower::timeout::error::Elapsed::new()),
+    ];
+    for error in errors {
+        let store = MemoryStore::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let service = tower::Layer::layer(&layer(store, "")?, failing(calls.clone(), error));
+        let router = Router::new().fallback_service(service);
+        let r = send(&router, request("POST", "/orders", Some("u"), "{}")).await?;
+        assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", r.body);
+        assert_eq!(r.problem_type(), "outcome-unknown");
+        let dup = send(&router, request("POST", "/orders", Some("u"), "{}")).await?;
+        assert_eq!(dup.status, StatusCode::CONFLICT, "{}", dup.body);
+        assert_eq!(dup.problem_type(), "outcome-unknown");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "never run blindly again");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_failure_is_503_and_the_handler_never_runs() -> Result<()> {
+    let (app, router, store) = app("")?;
+    store.disconnect();
+    let r = send(&router, request("POST", "/orders", Some("k"), "{}")).await?;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+    assert_eq!(r.problem_type(), "store-unavailable");
+    assert_eq!(r.headers["retry-after"], "1");
+    assert_eq!(app.runs(), 0);
+    store.reconnect();
+    let r = send(&router, request("POST", "/orders", Some("k"), "{}")).await?;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(app.runs(), 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_sees_its_claim_and_routes_pick_their_biz_type() -> Result<()> {
+    let store = MemoryStore::new();
+    let toml = "[[routes]]\nmethod = \"POST\"\npath = \"/claim\"\nbiz_type = \"claim.test\"\n";
+    let idem = layer(store.clone(), toml)?;
+    let app = App::default();
+    let router = app.router().layer(idem.clone());
+    let r = send(&router, request("POST", "/claim", Some("c"), "{}")).await?;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body, "fencing 1");
+    let key = idem::RecordKey::new(format!("auth:{}", sha256_hex(CLIENT)), "claim.test", "c");
+    let status = idem
+        .engine()
+        .inspect(&key)?
+        .context("the key is stored under the route's biz type")?;
+    assert_eq!(status.status, idem::Status::Succeeded);
+    Ok(())
+}
+
+fn sha256_hex(text: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_over_a_real_connection_with_metrics() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let store = SqliteStore::open(dir.path().join("idem.db"), Default::default())?;
+    let idem = IdempotencyLayer::new(engine(store)?, ProxyConfig::default())?;
+    let app = App::default();
+    let router = app.router().layer(idem.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Body>();
+    let mut bodies = Vec::new();
+    for _ in 0..3 {
+        let mut r = request("POST", "/orders", Some("sqlite"), r#"{"sku":"A1"}"#);
+        *r.uri_mut() = format!("http://{addr}/orders").parse()?;
+        let answer = client.request(r).await?;
+        let replayed = answer.headers().contains_key("idempotent-replayed");
+        let body = axum::body::to_bytes(Body::new(answer.into_body()), usize::MAX).await?;
+        bodies.push((replayed, String::from_utf8_lossy(&body).into_owned()));
+    }
+    assert_eq!(bodies[0], (false, r#"order 1: {"sku":"A1"}"#.to_owned()));
+    assert_eq!(bodies[1], (true, bodies[0].1.clone()));
+    assert_eq!(bodies[2], bodies[1]);
+    assert_eq!(app.runs(), 1);
+    let metrics = idem.metrics().render();
+    assert!(
+        metrics.contains(r#"idem_requests_total{decision="execute"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"idem_requests_total{decision="replay"} 2"#),
+        "{metrics}"
+    );
+    server.abort();
+    idem.finish().await;
+    Ok(())
+}
+
+/// `examples/axum_service.rs`, as the README tells a user to run it, checks
+/// its own answers: one order for a request, its retry and a changed
+/// request.
+#[test]
+fn the_axum_example_runs_once_per_key() -> Result<()> {
+    let run = escargot::CargoBuild::new()
+        .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+        .package("idem-suite")
+        .example("axum_service")
+        .current_release()
+        .arg("--locked")
+        .run()
+        .map_err(|e| anyhow::anyhow!("building the example failed: {e:#}"))?;
+    let out = run.command().arg("--check").output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("first: 201 replayed=false"), "{stdout}");
+    assert!(stdout.contains("retry: 201 replayed=true"), "{stdout}");
+    assert!(stdout.contains("changed: 422"), "{stdout}");
+    Ok(())
+}
