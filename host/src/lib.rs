@@ -28,6 +28,7 @@
 
 pub mod api;
 mod bindings;
+pub mod bounds;
 pub mod clock;
 pub mod engine;
 #[cfg(feature = "middleware")]
@@ -41,6 +42,7 @@ pub use api::{
     FailureMode, InProgressMode, InputField, InputRule, InvalidInput, KeyCharset, KeyFormat,
     KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed, Ticket, UnknownInfo, WaitSpec,
 };
+pub use bounds::GuestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
     ActionResult, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup, RunOutcome,
