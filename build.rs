@@ -1,22 +1,35 @@
 //! Builds the deliberately misbehaving guest (`tests/guests/misbehaving`)
-//! into `OUT_DIR/idem_misbehaving_guest.wasm`, for `tests/bounded.rs`.
+//! into `OUT_DIR/idem_misbehaving_guest.wasm`, for `tests/bounded.rs`, and
+//! its `middleware` world into `OUT_DIR/idem_misbehaving_middleware.wasm`,
+//! for `tests/middleware.rs`.
 
 use std::env;
 use std::path::PathBuf;
 
 fn main() {
     let root = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let watch = [
+        "tests/guests/misbehaving/src",
+        "tests/guests/misbehaving/Cargo.toml",
+        "guest/src",
+        "guest/Cargo.toml",
+    ];
     idem_build::build_component(
         &root,
         "idem-misbehaving-guest",
         "idem_misbehaving_guest",
         &[],
         "idem_misbehaving_guest",
-        &[
-            "tests/guests/misbehaving/src",
-            "tests/guests/misbehaving/Cargo.toml",
-            "guest/src",
-            "guest/Cargo.toml",
-        ],
+        &watch,
+    );
+    // The same crate with the `middleware` world: the same target
+    // directory, so only the two guest crates are compiled again.
+    idem_build::build_component(
+        &root,
+        "idem-misbehaving-guest",
+        "idem_misbehaving_guest",
+        &["middleware"],
+        "idem_misbehaving_middleware",
+        &watch,
     );
 }

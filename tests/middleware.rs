@@ -1,20 +1,32 @@
 //! End to end: the `middleware` component composed with the example
 //! handler (`examples/order-handler`), served by `idem serve-component` on
-//! a SQLite database, driven by a blocking HTTP client on 127.0.0.1.
+//! a SQLite database or a PostgreSQL schema, driven by a blocking HTTP
+//! client on 127.0.0.1.
 //!
 //! The handler prints one `order-handler: executed METHOD PATH -> STATUS`
 //! line per execution to the server's stdout; the tests count those lines.
+//!
+//! The guest bounds are tested with the middleware-world variant of the
+//! misbehaving guest (`tests/guests/misbehaving`, feature `middleware`):
+//! the real middleware, whose wrapped handler loops or allocates without
+//! end on the routes whose biz type asks for it.
 
+mod common;
 #[path = "support/serve.rs"]
 mod serve;
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, ensure};
-use serve::{Proxy, Resp, TEST_CLIENT, idem_ok, serve_component};
+use common::PgSchema;
+use idem::{
+    BeginRequest, Decision, Engine, Policy, PostgresStore, RecordKey, SqliteStore, SystemClock,
+};
+use serve::{CliOutput, Proxy, Resp, TEST_CLIENT, idem_ok, serve_component_with};
 
 /// The start of the line the handler prints once per execution.
 const EXECUTED: &str = "order-handler: executed ";
@@ -55,39 +67,136 @@ fn handler_wasm() -> Result<&'static Path> {
     .map_err(|e| anyhow!("{e}"))
 }
 
-/// The middleware composed with the handler, written once per test
-/// process by `idem compose`.
+/// `middleware` composed with the handler by `idem compose`, written once
+/// per test process to `name` under the tests' temporary directory.
+fn compose(middleware: Option<&Path>, name: &str) -> Result<PathBuf, String> {
+    let handler = handler_wasm().map_err(|e| format!("{e:#}"))?;
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let utf8 = |p: &Path| p.to_str().map(str::to_owned).ok_or("non-UTF-8 path");
+    let mut args = vec![
+        "compose".to_owned(),
+        "--handler".to_owned(),
+        utf8(handler)?,
+        "--out".to_owned(),
+        utf8(&out)?,
+    ];
+    if let Some(m) = middleware {
+        args.extend(["--middleware".to_owned(), utf8(m)?]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    idem_ok(&args).map_err(|e| format!("{e:#}"))?;
+    Ok(out)
+}
+
+/// The embedded middleware composed with the handler.
 fn composed_wasm() -> Result<&'static Path> {
     static WASM: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    WASM.get_or_init(|| compose(None, "order-service.wasm"))
+        .as_deref()
+        .map_err(|e| anyhow!("{e}"))
+}
+
+/// The misbehaving middleware (built by this package's build script)
+/// composed with the handler.
+fn misbehaving_wasm() -> Result<&'static Path> {
+    static WASM: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     WASM.get_or_init(|| {
-        let handler = handler_wasm().map_err(|e| format!("{e:#}"))?;
-        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("order-service.wasm");
-        idem_ok(&[
-            "compose",
-            "--handler",
-            handler.to_str().ok_or("non-UTF-8 path")?,
-            "--out",
-            out.to_str().ok_or("non-UTF-8 path")?,
-        ])
-        .map_err(|e| format!("{e:#}"))?;
-        Ok(out)
+        let middleware = Path::new(concat!(
+            env!("OUT_DIR"),
+            "/idem_misbehaving_middleware.wasm"
+        ));
+        compose(Some(middleware), "misbehaving-service.wasm")
     })
     .as_deref()
     .map_err(|e| anyhow!("{e}"))
 }
 
-/// One test's world: a temporary database and a server on it.
+/// Where a world's keys are stored.
+enum Db {
+    /// `idem.db` in the world's directory.
+    Sqlite,
+    /// A schema of the test's own.
+    Postgres(PgSchema),
+}
+
+/// One test's world: a temporary directory (the SQLite database, the
+/// configuration file), and a server on its database.
 struct World {
     server: Proxy,
-    _dir: tempfile::TempDir,
+    db: Db,
+    dir: tempfile::TempDir,
 }
 
 impl World {
+    /// The shipped middleware with the handler, on SQLite, unconfigured.
     fn start() -> Result<Self> {
-        let wasm = composed_wasm()?;
+        Self::start_with(composed_wasm()?, Db::Sqlite, None)
+    }
+
+    /// `component` on `db`, with `config` as its `--config` file.
+    fn start_with(component: &Path, db: Db, config: Option<&str>) -> Result<Self> {
         let dir = tempfile::tempdir()?;
-        let server = serve_component(wasm, &dir.path().join("idem.db"))?;
-        Ok(Self { server, _dir: dir })
+        let config_path = dir.path().join("idem.toml");
+        if let Some(toml) = config {
+            std::fs::write(&config_path, toml)?;
+        }
+        let sqlite = dir.path().join("idem.db");
+        let mut args: Vec<&OsStr> = Vec::new();
+        if config.is_some() {
+            args.extend([OsStr::new("--config"), config_path.as_os_str()]);
+        }
+        let server = match &db {
+            Db::Sqlite => serve_component_with(component, sqlite.as_os_str(), &args)?,
+            Db::Postgres(schema) => {
+                args.extend([OsStr::new("--pg-schema"), OsStr::new(&schema.name)]);
+                serve_component_with(component, OsStr::new(&schema.url), &args)?
+            }
+        };
+        Ok(Self { server, db, dir })
+    }
+
+    /// `idem --db DB ARGS...` on this world's database.
+    fn idem(&self, args: &[&str]) -> Result<CliOutput> {
+        let sqlite = self.dir.path().join("idem.db");
+        let mut all: Vec<&str> = vec!["--db"];
+        match &self.db {
+            Db::Sqlite => all.push(sqlite.to_str().context("non-UTF-8 path")?),
+            Db::Postgres(schema) => all.extend([schema.url.as_str(), "--pg-schema", &schema.name]),
+        }
+        all.extend_from_slice(args);
+        idem_ok(&all)
+    }
+
+    /// The stored state of `key` (biz type `biz`, the test client's scope),
+    /// as `idem inspect --json` prints it.
+    fn inspect(&self, biz: &str, key: &str) -> Result<serde_json::Value> {
+        self.idem(&[
+            "--json",
+            "inspect",
+            "--scope",
+            &auth_scope(TEST_CLIENT),
+            "--biz",
+            biz,
+            "--key",
+            key,
+        ])?
+        .json()
+    }
+
+    /// An engine of this process's own on the world's database: another
+    /// idem host beside the server.
+    fn engine(&self) -> Result<Engine> {
+        let builder = Engine::builder().clock(SystemClock::new());
+        let builder = match &self.db {
+            Db::Sqlite => builder.storage(SqliteStore::open(
+                self.dir.path().join("idem.db"),
+                Default::default(),
+            )?),
+            Db::Postgres(schema) => {
+                builder.storage(PostgresStore::connect(&schema.url, schema.options())?)
+            }
+        };
+        Ok(builder.build()?)
     }
 
     /// How many times the handler ran for `POST path`, waiting until the
@@ -105,6 +214,22 @@ impl World {
                 .count();
             if n >= expected || Instant::now() >= deadline {
                 return n;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the server's stderr shows `text`, waiting for it at most
+    /// [`ARRIVAL`] (the pipe is read by a thread, so a line written before
+    /// an answer may be read after it).
+    fn logged(&self, text: &str) -> bool {
+        let deadline = Instant::now() + ARRIVAL;
+        loop {
+            if self.server.stderr().contains(text) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -162,21 +287,7 @@ fn duplicates_run_the_handler_once_and_replay_its_answer() -> Result<()> {
 
     // The key is in the store, under the proxy's biz type and the scope
     // of the client's credentials.
-    let db = w._dir.path().join("idem.db");
-    let db = db.to_str().context("utf-8 path")?;
-    let out = idem_ok(&[
-        "--db",
-        db,
-        "--json",
-        "inspect",
-        "--scope",
-        &auth_scope(TEST_CLIENT),
-        "--biz",
-        "http",
-        "--key",
-        "order-1",
-    ])?;
-    let status = out.json()?;
+    let status = w.inspect("http", "order-1")?;
     ensure!(status["status"] == "succeeded", "inspect: {status}");
     Ok(())
 }
@@ -215,17 +326,7 @@ fn unidentified_clients_are_refused_without_running() -> Result<()> {
         "{:?}",
         r.headers
     );
-    let stats = idem_ok(&[
-        "--db",
-        w._dir
-            .path()
-            .join("idem.db")
-            .to_str()
-            .context("utf-8 path")?,
-        "--json",
-        "stats",
-    ])?
-    .json()?;
+    let stats = w.idem(&["--json", "stats"])?.json()?;
     ensure!(stats["total"] == 0, "stored: {stats}");
     // The key rules come first: a keyless POST is still 400 key-missing.
     w.server
@@ -373,5 +474,293 @@ fn failures_follow_their_disposition() -> Result<()> {
     );
     // Reads pass straight through, with no key.
     w.server.get("/nowhere").send()?.expect_status(404)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The store scenario on SQLite and on PostgreSQL
+// ---------------------------------------------------------------------------
+
+/// Execute, replay, mismatch and in-progress, through the server on `w`'s
+/// database.
+fn store_scenario(w: &World) -> Result<()> {
+    const BODY: &str = r#"{"sku":"S1","qty":3}"#;
+    // Execute: the handler runs and its answer is stored.
+    let first = w.order("scenario-1", BODY)?;
+    first.expect_status(201)?;
+    ensure!(!first.replayed(), "the first answer is marked as replayed");
+    // Replay: the stored answer, marked, without running the handler.
+    let again = w.order("scenario-1", BODY)?;
+    again.expect_status(201)?;
+    ensure!(again.replayed(), "a duplicate is not marked as replayed");
+    ensure!(
+        again.body == first.body,
+        "the replay differs: {}",
+        again.text()
+    );
+    ensure!(
+        w.executions("/orders", 1) == 1,
+        "the handler ran {} times",
+        w.executions("/orders", 2)
+    );
+    // Mismatch: the same key with another body.
+    w.order("scenario-1", r#"{"sku":"S1","qty":4}"#)?
+        .expect_problem(422, "key-reused")?;
+    // In progress: another idem host on the same database holds the key
+    // (it claimed it for the very request the middleware would make, and
+    // has not finished): the server answers 409 and does not run it.
+    let mut claim = BeginRequest::json(
+        RecordKey::new(auth_scope(TEST_CLIENT), "http", "scenario-2"),
+        BODY,
+        Policy::default(),
+    );
+    claim.attributes = vec![
+        ("method".into(), "POST".into()),
+        ("path".into(), "/orders".into()),
+    ];
+    match w.engine()?.begin(&claim)? {
+        Decision::Execute(_) => {}
+        other => anyhow::bail!("the other host's claim was answered {}", other.name()),
+    }
+    let busy = w.order("scenario-2", BODY)?;
+    busy.expect_problem(409, "request-in-progress")?;
+    ensure!(
+        busy.header("retry-after").is_some(),
+        "409 without Retry-After"
+    );
+    ensure!(
+        w.executions("/orders", 2) == 1,
+        "a key held by another host ran the handler"
+    );
+    let status = w.inspect("http", "scenario-1")?;
+    ensure!(status["status"] == "succeeded", "inspect: {status}");
+    Ok(())
+}
+
+#[test]
+fn the_store_scenario_on_sqlite() -> Result<()> {
+    store_scenario(&World::start()?)
+}
+
+#[test]
+fn the_store_scenario_on_postgres() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let w = World::start_with(composed_wasm()?, Db::Postgres(schema), None)?;
+    store_scenario(&w)?;
+    // The keys are in the schema the server was given.
+    let Db::Postgres(schema) = &w.db else {
+        anyhow::bail!("not on PostgreSQL");
+    };
+    let mut c = schema.raw()?;
+    let rows = c.query(
+        &format!(
+            "SELECT COUNT(*) FROM \"{}\".idempotency_record",
+            schema.name
+        ),
+        &[],
+    )?;
+    let count: i64 = rows.first().context("no count")?.get(0);
+    ensure!(count == 2, "{count} records in the schema");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The guest's deadline and memory cap
+// ---------------------------------------------------------------------------
+
+/// The deadline the bounded tests give the guest: short, so a looping
+/// component is stopped quickly, and far above what an honest request
+/// computes.
+const DEADLINE: Duration = Duration::from_millis(200);
+
+/// How late past its deadline a stopped request may be answered on a
+/// loaded machine (two cores shared with other builds): one epoch tick,
+/// scheduling delay and the HTTP exchange.
+const LATENESS: Duration = Duration::from_secs(3);
+
+/// The memory cap the bounded tests give the guest: room for the
+/// middleware and the handler (a few MiB each), far below what the
+/// allocating route asks for.
+const MEMORY_CAP: u64 = 32 * 1024 * 1024;
+
+/// The configuration of the bounded tests, with the guest deadline
+/// `deadline`: routes whose biz types make the misbehaving middleware's
+/// handler loop or allocate without end.
+fn bounded_config(deadline: Duration) -> String {
+    format!(
+        r#"
+guest_deadline_ms = {}
+guest_memory_bytes = {MEMORY_CAP}
+
+[[routes]]
+path = "/loop"
+biz_type = "misbehave-loop"
+
+[[routes]]
+path = "/allocate"
+biz_type = "misbehave-allocate"
+"#,
+        deadline.as_millis()
+    )
+}
+
+/// The key of a request the component was stopped on is left claimed (the
+/// handler may have run): its retry is told to wait, and the same server
+/// still serves other requests.
+fn after_a_stop(w: &World, path: &str, key: &str) -> Result<()> {
+    let retry = w.server.post(path).key(key).json("{}").send()?;
+    retry.expect_problem(409, "request-in-progress")?;
+    let order = w.order(&format!("{key}-order"), r#"{"sku":"A1","qty":1}"#)?;
+    order.expect_status(201)?;
+    ensure!(!order.replayed(), "a new key was replayed");
+    ensure!(w.executions("/orders", 1) == 1, "the order did not run");
+    Ok(())
+}
+
+#[test]
+fn a_component_that_loops_is_stopped_at_its_deadline_and_the_server_goes_on() -> Result<()> {
+    let w = World::start_with(
+        misbehaving_wasm()?,
+        Db::Sqlite,
+        Some(&bounded_config(DEADLINE)),
+    )?;
+    let start = Instant::now();
+    let stopped = w.server.post("/loop").key("loop-1").json("{}").send()?;
+    let took = start.elapsed();
+    let p = stopped.expect_problem(500, "internal-error")?;
+    ensure!(
+        p["guest_deadline_ms"] == u64::try_from(DEADLINE.as_millis())?,
+        "{p}"
+    );
+    ensure!(
+        took >= DEADLINE,
+        "answered after {took:?}, before the deadline"
+    );
+    ensure!(took < DEADLINE + LATENESS, "answered only after {took:?}");
+    ensure!(
+        w.logged("ran past its deadline"),
+        "the stop was not logged: {}",
+        w.server.stderr()
+    );
+    after_a_stop(&w, "/loop", "loop-1")?;
+    // Stopped again, as quickly: no instance outlived its stop.
+    let start = Instant::now();
+    w.server
+        .post("/loop")
+        .key("loop-2")
+        .json("{}")
+        .send()?
+        .expect_problem(500, "internal-error")?;
+    ensure!(start.elapsed() < DEADLINE + LATENESS);
+    Ok(())
+}
+
+#[test]
+fn a_component_that_allocates_without_end_hits_the_memory_cap() -> Result<()> {
+    // The default deadline: filling the cap must not run into it.
+    let w = World::start_with(
+        misbehaving_wasm()?,
+        Db::Sqlite,
+        Some(&bounded_config(idem::engine::DEFAULT_GUEST_DEADLINE)),
+    )?;
+    let stopped = w
+        .server
+        .post("/allocate")
+        .key("alloc-1")
+        .json("{}")
+        .send()?;
+    let p = stopped.expect_problem(500, "internal-error")?;
+    ensure!(p["guest_memory_bytes"] == MEMORY_CAP, "{p}");
+    ensure!(
+        w.logged("more than its memory limit"),
+        "the stop was not logged: {}",
+        w.server.stderr()
+    );
+    after_a_stop(&w, "/allocate", "alloc-1")?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Per-route policy from --config
+// ---------------------------------------------------------------------------
+
+#[test]
+fn routes_from_the_config_file_set_biz_types_key_rules_and_server_errors() -> Result<()> {
+    let w = World::start_with(
+        composed_wasm()?,
+        Db::Sqlite,
+        Some(
+            r#"
+[defaults]
+key = "optional"
+
+[[routes]]
+method = "POST"
+path = "/orders"
+biz_type = "order.create"
+key = "required"
+
+[[routes]]
+path = "/overloaded"
+biz_type = "overload"
+server_errors = "store"
+"#,
+        ),
+    )?;
+    // /orders requires a key; elsewhere a keyless POST runs unguarded.
+    w.server
+        .post("/orders")
+        .json("{}")
+        .send()?
+        .expect_problem(400, "key-missing")?;
+    for _ in 0..2 {
+        let r = w.server.post("/reject").json("{}").send()?;
+        r.expect_status(422)?;
+        ensure!(!r.replayed(), "an unkeyed request was replayed");
+    }
+    ensure!(
+        w.executions("/reject", 2) == 2,
+        "an unkeyed request did not run each time"
+    );
+
+    // Keys of /orders have its biz type: the same key on a route of
+    // another biz type is another key, not a reuse.
+    w.order("route-1", r#"{"sku":"R1","qty":1}"#)?
+        .expect_status(201)?;
+    let other = w.server.post("/reject").key("route-1").json("{}").send()?;
+    other.expect_status(422)?;
+    ensure!(
+        other.json()?["error"] == "rejected" && !other.replayed(),
+        "not the handler's own answer: {other:?}"
+    );
+    let status = w.inspect("order.create", "route-1")?;
+    ensure!(status["status"] == "succeeded", "inspect: {status}");
+    let status = w.inspect("http", "route-1")?;
+    ensure!(status["status"] == "failed", "inspect: {status}");
+
+    // server_errors = "store": the 503 is final, stored and replayed.
+    let first = w
+        .server
+        .post("/overloaded")
+        .key("busy-1")
+        .json("{}")
+        .send()?;
+    first.expect_status(503)?;
+    let again = w
+        .server
+        .post("/overloaded")
+        .key("busy-1")
+        .json("{}")
+        .send()?;
+    again.expect_status(503)?;
+    ensure!(again.replayed() && again.body == first.body, "{again:?}");
+    ensure!(
+        w.executions("/overloaded", 1) == 1,
+        "a stored 5xx ran again"
+    );
+    let status = w.inspect("overload", "busy-1")?;
+    ensure!(status["status"] == "failed", "inspect: {status}");
     Ok(())
 }

@@ -6,11 +6,15 @@
 //! [`machine::complete`] and [`machine::fail`] through the same [`Imports`]
 //! environment as the `engine` export, and only maps HTTP to a
 //! `begin-request` and decisions back to HTTP, with the rules of
-//! `idem serve` ([`crate::http`]).
+//! `idem serve` ([`crate::http`]). What differs per request (the biz type,
+//! the policy, whether a key is required, how a client is identified, what
+//! a 5xx means) comes from the host's configuration for the request's
+//! route, through `http-bridge.request-route`.
 //!
 //! A wasm guest cannot run a heartbeat beside the wrapped handler, so a
-//! handler must answer within [`LEASE_MS`]; past it a duplicate takes the
-//! key over (the first run's outcome is then discarded by fencing).
+//! handler must answer within the route policy's `lease-ms`; past it a
+//! duplicate may take the key over (the first run's outcome is then
+//! discarded by fencing).
 
 use alloc::borrow::ToOwned;
 use alloc::format;
@@ -18,11 +22,13 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 use crate::bindings::exports::idem::engine::engine::{
-    BeginRequest, Completion, Decision, Disposition, EngineError, ExpiredLease, FailureMode,
-    InProgressMode, InputField, InputRule, InvalidInput, KeyCharset, KeyFormat, Policy, Ticket,
+    BeginRequest, Completion, Decision, Disposition, EngineError, InputField, InputRule,
+    InvalidInput, Policy, Ticket,
 };
 use crate::bindings::exports::wasi::http::incoming_handler::Guest as HandlerGuest;
-use crate::bindings::idem::engine::http_bridge::{self, BodyError, ResponseCapture};
+use crate::bindings::idem::engine::http_bridge::{
+    self, AnonymousMode, BodyError, KeyRequirement, ResponseCapture, Route, ServerErrors,
+};
 use crate::bindings::idem::engine::types::{Failure, RecordKey, StoredResponse, Success};
 use crate::bindings::wasi::http::incoming_handler as inner;
 use crate::bindings::wasi::http::types::{
@@ -31,61 +37,11 @@ use crate::bindings::wasi::http::types::{
 use crate::component::{Component, Imports};
 use crate::http::{self, Problem, ProblemType};
 use crate::machine;
-
-/// The biz type of every key the middleware stores: the same as the
-/// proxy's default route, so `idem inspect --biz http` finds them.
-pub const BIZ_TYPE: &str = "http";
-
-/// How long a settled key is replayed: a day, the proxy's default, long
-/// enough for any client's retries.
-pub const RETENTION_MS: u64 = 24 * 60 * 60 * 1000;
-
-/// How long the wrapped handler may run before a duplicate may take the key
-/// over: a minute, the proxy's default lease. There is no heartbeat inside
-/// a component, so this is the longest a handler may take.
-pub const LEASE_MS: u64 = 60 * 1000;
-
-/// The longest retry-after hint for an in-progress key: one second, the
-/// proxy's default, short enough for a client to see the outcome soon.
-pub const RETRY_AFTER_MS: u64 = 1000;
-
-/// What a keyed request without `Authorization` gets: a 401
-/// `client-unidentified`, nothing stored, the handler not run. The same as
-/// `idem serve`'s default (`anonymous = "reject"`): without a credential
-/// one client cannot be told from another, and a shared scope would give
-/// one client another's stored response. The middleware has no
-/// configuration of its own (its policy is fixed too), and `wasi:http` 0.2
-/// gives it no client address, so `client-address` has no counterpart.
-pub const ANONYMOUS: http::Anonymous = http::Anonymous::Reject;
-
-/// The largest request body fingerprinted: 1 MiB, the proxy's default. The
-/// host's bridge enforces its own limit on what it buffers.
-pub const MAX_BODY_BYTES: u32 = 1024 * 1024;
+use sha2::Digest;
 
 /// The most bytes written to an output stream in one
 /// `blocking-write-and-flush`, the limit `wasi:io` sets for that call.
 const WRITE_CHUNK: usize = 4096;
-
-/// The policy of every key, as the proxy's defaults: expired leases are
-/// taken over, failures follow their disposition, duplicates of a running
-/// request are answered at once.
-pub fn policy() -> Policy {
-    Policy {
-        retention_ms: RETENTION_MS,
-        lease_ms: LEASE_MS,
-        retry_after_ms: RETRY_AFTER_MS,
-        expired_lease: ExpiredLease::TakeOver,
-        failure_mode: FailureMode::HonorDisposition,
-        in_progress: InProgressMode::Reject,
-        fingerprint_fields: Vec::new(),
-        key_format: KeyFormat {
-            min_length: 1,
-            max_length: 255,
-            charset: KeyCharset::PrintableAscii,
-        },
-        max_body_bytes: MAX_BODY_BYTES,
-    }
-}
 
 fn method_name(method: &Method) -> String {
     match method {
@@ -261,10 +217,20 @@ enum Outcome {
 }
 
 impl Outcome {
-    fn of(response: &StoredResponse) -> Outcome {
+    /// The outcome of `response`; a 5xx is made final when the route says
+    /// `server-errors: store`, as `idem serve` does.
+    fn of(response: &StoredResponse, server_errors: ServerErrors) -> Outcome {
         let stored =
             http::storable(response.headers.len(), response.body.len()).then(|| response.clone());
-        match http::classify_status(response.status) {
+        let disposition = match http::classify_status(response.status) {
+            Some(Disposition::Retryable)
+                if response.status >= 500 && server_errors == ServerErrors::Store =>
+            {
+                Some(Disposition::Final)
+            }
+            other => other,
+        };
+        match disposition {
             None => Outcome::Complete(Success {
                 result_ref: None,
                 response: stored,
@@ -326,7 +292,13 @@ fn settle(ticket: &Ticket, policy: &Policy, outcome: Outcome) -> Result<Completi
 
 /// Runs the wrapped handler once for the key `ticket` owns, stores what it
 /// answered and sends the answer.
-fn execute(request: IncomingRequest, out: ResponseOutparam, ticket: &Ticket, policy: &Policy) {
+fn execute(
+    request: IncomingRequest,
+    out: ResponseOutparam,
+    ticket: &Ticket,
+    route: &Route,
+    handler: impl FnOnce(&Ticket, IncomingRequest, ResponseOutparam),
+) {
     let capture = ResponseCapture::new();
     let Some(param) = capture.outparam() else {
         return send_problem(
@@ -337,13 +309,14 @@ fn execute(request: IncomingRequest, out: ResponseOutparam, ticket: &Ticket, pol
             ),
         );
     };
-    inner::handle(request, param);
+    handler(ticket, request, param);
+    let policy = &route.policy;
     match capture.finish() {
         Ok(response) => {
             // The client gets the handler's answer whatever the store says:
             // the handler ran. A store failure leaves the key in progress
             // until its lease ends, then a retry may run it again.
-            let _ = settle(ticket, policy, Outcome::of(&response));
+            let _ = settle(ticket, policy, Outcome::of(&response, route.server_errors));
             respond(out, &response, false);
         }
         Err(message) => {
@@ -378,121 +351,227 @@ fn truncate(text: &str, max: usize) -> String {
     text[..end].to_string()
 }
 
-impl HandlerGuest for Component {
-    fn handle(request: IncomingRequest, out: ResponseOutparam) {
-        let method = method_name(&request.method());
-        if http::is_safe_method(&method) {
-            return inner::handle(request, out);
-        }
-        // The headers are a child of the request: read them, then let them
-        // go before the request is handed on.
-        let headers = request.headers().entries();
-        let keys = values(&headers, http::IDEMPOTENCY_KEY);
-        let key = match keys.as_slice() {
-            [] if http::key_required(&method) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::KeyMissing,
-                        format!(
-                            "{method} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it."
-                        ),
-                    ),
-                );
+/// Why no scope could be derived from a keyed request.
+enum ScopeProblem {
+    /// The header that names the client is repeated or not text: 400.
+    Invalid(String),
+    /// The request names no client and the route refuses such requests.
+    Unidentified(Option<String>),
+    /// The route identifies unnamed clients by address and the host gave
+    /// none.
+    NoAddress,
+}
+
+/// Lowercase hex.
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    s
+}
+
+/// The scope of a keyed request's key, as `idem serve` derives it:
+/// `hdr:<value>` from the route's scope header, else `auth:<hex SHA-256>`
+/// of `Authorization`, else as the route's `anonymous` says.
+fn scope_of(
+    request: &IncomingRequest,
+    headers: &[(String, Vec<u8>)],
+    route: &Route,
+) -> Result<String, ScopeProblem> {
+    if let Some(name) = &route.scope_header {
+        match values(headers, name).as_slice() {
+            [] => {}
+            [value] => {
+                return core::str::from_utf8(value)
+                    .ok()
+                    .filter(|t| !t.chars().any(char::is_control))
+                    .map(|t| format!("hdr:{t}"))
+                    .ok_or_else(|| {
+                        ScopeProblem::Invalid(format!("the {name} header is not printable text"))
+                    });
             }
-            [] => return inner::handle(request, out),
-            [value] => match http::parse_idempotency_key(value) {
-                Ok(key) => key,
-                Err(e) => {
-                    return send_problem(
-                        out,
-                        &Problem::new(
-                            ProblemType::KeyInvalid,
-                            format!(
-                                "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
-                            ),
-                        ),
-                    );
-                }
-            },
             _ => {
+                return Err(ScopeProblem::Invalid(format!(
+                    "the {name} header occurs more than once"
+                )));
+            }
+        }
+    }
+    let authorization = values(headers, "authorization");
+    let anonymous = match route.anonymous {
+        AnonymousMode::Shared => http::Anonymous::Shared,
+        AnonymousMode::Reject | AnonymousMode::ClientAddress => http::Anonymous::Reject,
+    };
+    match http::scope(&authorization, anonymous) {
+        Ok(scope) => Ok(scope),
+        Err(e @ http::ScopeError::RepeatedAuthorization) => {
+            Err(ScopeProblem::Invalid(e.to_string()))
+        }
+        Err(http::ScopeError::Unidentified) if route.anonymous == AnonymousMode::ClientAddress => {
+            let address = http_bridge::client_address(request).ok_or(ScopeProblem::NoAddress)?;
+            Ok(format!(
+                "addr:{}",
+                hex(&sha2::Sha256::digest(address.as_bytes()))
+            ))
+        }
+        Err(http::ScopeError::Unidentified) => {
+            Err(ScopeProblem::Unidentified(route.scope_header.clone()))
+        }
+    }
+}
+
+fn scope_problem(problem: ScopeProblem) -> Problem {
+    match problem {
+        ScopeProblem::Invalid(what) => Problem::new(
+            ProblemType::InvalidRequest,
+            format!("{what}. Send it once, as printable text."),
+        )
+        .with("field", "scope"),
+        ScopeProblem::Unidentified(header) => {
+            let how = match header {
+                Some(name) => format!("an Authorization header or the {name} header"),
+                None => "an Authorization header".to_owned(),
+            };
+            Problem::new(
+                ProblemType::ClientUnidentified,
+                format!(
+                    "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send {how}, then retry with the same Idempotency-Key: nothing was stored."
+                ),
+            )
+        }
+        ScopeProblem::NoAddress => Problem::new(
+            ProblemType::InternalError,
+            "The host cannot tell this client apart from others and the request was not run. Send an Authorization header.",
+        ),
+    }
+}
+
+/// The middleware around `handler`: what the exported `incoming-handler`
+/// does with the imported one, for any wrapped handler.
+///
+/// Safe methods, and unkeyed requests where the route makes a key
+/// optional, go to the imported handler as they are, and nothing is
+/// stored. A keyed request runs `handler`, with the ticket that owns its
+/// key, only when the engine decides `execute`; every other decision is
+/// answered from the store. Public for component crates that build on
+/// this one and put code of their own around the imported handler (the
+/// misbehaving test guest).
+pub fn wrap(
+    request: IncomingRequest,
+    out: ResponseOutparam,
+    handler: impl FnOnce(&Ticket, IncomingRequest, ResponseOutparam),
+) {
+    let method = method_name(&request.method());
+    if http::is_safe_method(&method) {
+        return inner::handle(request, out);
+    }
+    let Some(route) = http_bridge::request_route(&request) else {
+        return send_problem(
+            out,
+            &Problem::new(
+                ProblemType::InternalError,
+                "The host gave no route for this request, and it was not run.",
+            ),
+        );
+    };
+    // The headers are a child of the request: read them, then let them
+    // go before the request is handed on.
+    let headers = request.headers().entries();
+    let keys = values(&headers, http::IDEMPOTENCY_KEY);
+    let key = match keys.as_slice() {
+        [] if route.key == KeyRequirement::Required => {
+            return send_problem(
+                out,
+                &Problem::new(
+                    ProblemType::KeyMissing,
+                    format!(
+                        "{method} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it."
+                    ),
+                ),
+            );
+        }
+        [] => return inner::handle(request, out),
+        [value] => match http::parse_idempotency_key(value) {
+            Ok(key) => key,
+            Err(e) => {
                 return send_problem(
                     out,
                     &Problem::new(
                         ProblemType::KeyInvalid,
-                        "Several Idempotency-Key headers were sent. Send exactly one.",
-                    ),
-                );
-            }
-        };
-        let scope = match http::scope(&values(&headers, "authorization"), ANONYMOUS) {
-            Ok(scope) => scope,
-            Err(e @ http::ScopeError::RepeatedAuthorization) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::InvalidRequest,
-                        format!("{e}. Send it once, as printable text."),
-                    )
-                    .with("field", "scope"),
-                );
-            }
-            Err(http::ScopeError::Unidentified) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::ClientUnidentified,
-                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send an Authorization header, then retry with the same Idempotency-Key: nothing was stored.",
-                    ),
-                );
-            }
-        };
-        let body = match http_bridge::request_body(&request) {
-            Ok(body) => body,
-            Err(BodyError::TooLarge(limit)) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::BodyTooLarge,
                         format!(
-                            "The request body is over the limit of {limit} bytes. Send a smaller body."
+                            "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
                         ),
-                    )
-                    .with("max_body_bytes", limit),
-                );
-            }
-            Err(BodyError::Unreadable(_)) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::InvalidRequest,
-                        "The request body could not be read completely. Send it again with the same Idempotency-Key.",
                     ),
                 );
             }
-        };
-        let content_type = values(&headers, "content-type");
-        let kind = http::body_kind(match content_type.as_slice() {
-            [one] => Some(one),
-            _ => None,
-        });
-        let path = request.path_with_query().unwrap_or_else(|| "/".into());
-        let policy = policy();
-        let begin = BeginRequest {
-            key: RecordKey {
-                scope,
-                biz_type: BIZ_TYPE.into(),
-                idem_key: key,
-            },
-            attributes: Vec::from([("method".into(), method), ("path".into(), path)]),
-            body_kind: kind,
-            body,
-            policy: policy.clone(),
-        };
-        match machine::begin(&Imports, &begin) {
-            Ok(Decision::Execute(ticket)) => execute(request, out, &ticket, &policy),
-            Ok(decision) => answer(out, decision),
-            Err(e) => send_problem(out, &engine_error_problem(&e)),
+        },
+        _ => {
+            return send_problem(
+                out,
+                &Problem::new(
+                    ProblemType::KeyInvalid,
+                    "Several Idempotency-Key headers were sent. Send exactly one.",
+                ),
+            );
         }
+    };
+    let scope = match scope_of(&request, &headers, &route) {
+        Ok(scope) => scope,
+        Err(problem) => return send_problem(out, &scope_problem(problem)),
+    };
+    let body = match http_bridge::request_body(&request) {
+        Ok(body) => body,
+        Err(BodyError::TooLarge(limit)) => {
+            return send_problem(
+                out,
+                &Problem::new(
+                    ProblemType::BodyTooLarge,
+                    format!(
+                        "The request body is over the limit of {limit} bytes. Send a smaller body."
+                    ),
+                )
+                .with("max_body_bytes", limit),
+            );
+        }
+        Err(BodyError::Unreadable(_)) => {
+            return send_problem(
+                out,
+                &Problem::new(
+                    ProblemType::InvalidRequest,
+                    "The request body could not be read completely. Send it again with the same Idempotency-Key.",
+                ),
+            );
+        }
+    };
+    let content_type = values(&headers, "content-type");
+    let kind = http::body_kind(match content_type.as_slice() {
+        [one] => Some(one),
+        _ => None,
+    });
+    let path = request.path_with_query().unwrap_or_else(|| "/".into());
+    let begin = BeginRequest {
+        key: RecordKey {
+            scope,
+            biz_type: route.biz_type.clone(),
+            idem_key: key,
+        },
+        attributes: Vec::from([("method".into(), method), ("path".into(), path)]),
+        body_kind: kind,
+        body,
+        policy: route.policy.clone(),
+    };
+    match machine::begin(&Imports, &begin) {
+        Ok(Decision::Execute(ticket)) => execute(request, out, &ticket, &route, handler),
+        Ok(decision) => answer(out, decision),
+        Err(e) => send_problem(out, &engine_error_problem(&e)),
+    }
+}
+
+impl HandlerGuest for Component {
+    fn handle(request: IncomingRequest, out: ResponseOutparam) {
+        wrap(request, out, |_, request, out| inner::handle(request, out));
     }
 }

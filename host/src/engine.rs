@@ -5,43 +5,21 @@
 use std::any::Any;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{ResourceLimiter, UpdateDeadline};
 
 use crate::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, InvalidInput, KeyStatus, Policy,
     ReconcileReport, Ticket,
 };
 use crate::bindings::{self, Conv, wit_engine, wit_store, wit_types};
+use crate::bounds::{Flavor, Guard, GuestBounds, Stopped};
 use crate::clock::{Clock, SystemClock};
 use crate::store::{SqliteStore, Storage, StoreError};
 use crate::types::{Failure, RecordKey, Success, Timestamp};
 
-/// The most linear memory one guest instance may use: 256 MiB holds a JSON
-/// body of the largest size a policy may accept (64 MiB) while it is
-/// parsed, canonicalized and hashed (measured: the body, its canonical form
-/// and a buffer no larger than its largest object), and stops a runaway
-/// guest long before the host feels it.
-pub const DEFAULT_MEMORY_LIMIT: usize = 256 * 1024 * 1024;
-
-/// The longest one call into the guest may compute (wall time while the
-/// guest runs; time in host imports, such as the store, the clock and the
-/// result lookup, does not count). A decision is a few store round trips
-/// and one pass over the body: with a 1 MiB JSON body (the default
-/// `max_body_bytes`) a `begin` computes about 16 ms on a quiet 2-vCPU
-/// machine (about 50 ms under load), far less than this, and a looping
-/// guest still frees its thread within a second. JSON bodies of tens of MiB
-/// come close (32 MiB took about 0.5 s, 64 MiB about 1 s there): raise it
-/// for policies that accept them.
-pub const DEFAULT_GUEST_DEADLINE: Duration = Duration::from_secs(1);
-
-/// How often the shared ticker thread advances a Wasmtime engine's epoch:
-/// the granularity of [`EngineBuilder::guest_deadline`]. 10 ms keeps a
-/// missed deadline within 1% of a 1 s budget while the thread wakes only
-/// 100 times a second.
-pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+pub use crate::bounds::{DEFAULT_GUEST_DEADLINE, DEFAULT_MEMORY_LIMIT, EPOCH_TICK, PERF_MAP_VAR};
 
 /// The guest component built from `guest/` by `build.rs`.
 pub const DEFAULT_GUEST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/idem_guest.wasm"));
@@ -83,7 +61,8 @@ pub enum Error {
     MemoryLimit {
         /// The limit, in bytes.
         limit: usize,
-        /// The size the guest asked its memory to grow to, in bytes.
+        /// The linear memory the instance asked for in total (its memories
+        /// together, the refused growth included), in bytes.
         requested: usize,
     },
     /// The component could not be loaded or does not fit idem's world.
@@ -123,7 +102,7 @@ where
 }
 
 /// The lookup used when none is registered: it cannot tell, so it says so.
-struct NoLookup;
+pub(crate) struct NoLookup;
 
 impl ResultLookup for NoLookup {
     fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
@@ -139,125 +118,20 @@ pub(crate) struct HostState {
     storage: Arc<dyn Storage>,
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
-    limits: GuestLimits,
-    /// The current call's budget of guest time.
-    budget: GuestBudget,
-}
-
-/// How much guest time the current call may still use.
-struct GuestBudget {
-    deadline: Duration,
-    /// When the current call started.
-    started: Instant,
-    /// Time the current call spent in host imports, which does not count.
-    in_host: Duration,
-}
-
-impl GuestBudget {
-    /// Guest time used by the current call so far.
-    fn used(&self) -> Duration {
-        self.started.elapsed().saturating_sub(self.in_host)
-    }
-}
-
-/// The guest used up its time; raised from the epoch callback, read back
-/// from the trap as [`Error::Deadline`].
-#[derive(Debug, thiserror::Error)]
-#[error("the guest ran past its deadline of {0:?}")]
-struct DeadlineExceeded(Duration);
-
-/// The guest asked for more memory than allowed; raised from the limiter,
-/// read back from the trap as [`Error::MemoryLimit`].
-#[derive(Debug, thiserror::Error)]
-#[error("the guest asked for {requested} bytes of memory, more than its limit of {limit}")]
-struct MemoryLimitExceeded {
-    limit: usize,
-    requested: usize,
-}
-
-/// The memory limit: growing past it traps at once with
-/// [`MemoryLimitExceeded`], instead of handing the guest a failed
-/// `memory.grow` that it would turn into an anonymous trap anyway.
-struct GuestLimits {
-    memory: usize,
-}
-
-/// At most this many elements in one table: the engine component's tables
-/// hold a handful of function references, so the bound only stops a
-/// hostile component from making the host allocate without end. (The
-/// counts of instances, tables and memories keep Wasmtime's defaults.)
-const MAX_TABLE_ELEMENTS: usize = 100_000;
-
-impl ResourceLimiter for GuestLimits {
-    fn memory_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        if maximum.is_some_and(|max| desired > max) {
-            // Past the memory's own declared maximum: `memory.grow` fails
-            // as the wasm spec says.
-            return Ok(false);
-        }
-        if desired > self.memory {
-            return Err(wasmtime::Error::new(MemoryLimitExceeded {
-                limit: self.memory,
-                requested: desired,
-            }));
-        }
-        Ok(true)
-    }
-
-    fn table_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        Ok(desired <= MAX_TABLE_ELEMENTS && maximum.is_none_or(|max| desired <= max))
-    }
+    /// The memory cap and the current call's budget of guest time.
+    guard: Guard,
 }
 
 impl HostState {
-    /// Runs a host import; its time does not count against the guest.
-    fn host<R>(&mut self, f: impl FnOnce(&Self) -> R) -> R {
-        let start = Instant::now();
-        let answer = f(self);
-        self.budget.in_host += start.elapsed();
-        answer
-    }
-}
-
-impl HostState {
-    /// The imports of one store: `storage`, `clock`, no result lookup, and
-    /// at most `memory_limit` bytes of linear memory per instance.
-    /// `deadline` is the guest-time budget of each call; it is enforced
-    /// only where the store's engine has epoch interruption on.
-    pub(crate) fn new(
-        storage: Arc<dyn Storage>,
-        clock: Arc<dyn Clock>,
-        memory_limit: usize,
-        deadline: Duration,
-    ) -> Self {
+    /// The imports of one store: `storage`, `clock`, no result lookup,
+    /// guarded by `bounds`.
+    fn new(storage: Arc<dyn Storage>, clock: Arc<dyn Clock>, bounds: GuestBounds) -> Self {
         HostState {
             storage,
             clock,
             results: Arc::new(NoLookup),
-            limits: GuestLimits {
-                memory: memory_limit,
-            },
-            budget: GuestBudget {
-                deadline,
-                started: Instant::now(),
-                in_host: Duration::ZERO,
-            },
+            guard: Guard::new(bounds, Flavor::Sync),
         }
-    }
-
-    /// The store's resource limiter, for `Store::limiter`.
-    pub(crate) fn limits(&mut self) -> &mut dyn ResourceLimiter {
-        &mut self.limits
     }
 }
 
@@ -268,14 +142,14 @@ impl wit_store::Host for HostState {
         &mut self,
         candidate: wit_types::StoredRecord,
     ) -> Result<wit_store::InsertOutcome, wit_store::StoreError> {
-        self.host(|h| h.storage.insert_if_absent(&candidate.conv()).conv())
+        self.storage.insert_if_absent(&candidate.conv()).conv()
     }
 
     fn get(
         &mut self,
         key: wit_types::RecordKey,
     ) -> Result<Option<wit_types::StoredRecord>, wit_store::StoreError> {
-        self.host(|h| h.storage.get(&key.conv()).conv())
+        self.storage.get(&key.conv()).conv()
     }
 
     fn compare_and_swap(
@@ -283,15 +157,13 @@ impl wit_store::Host for HostState {
         expected_revision: u64,
         replacement: wit_types::StoredRecord,
     ) -> Result<wit_store::SwapOutcome, wit_store::StoreError> {
-        self.host(|h| {
-            h.storage
-                .compare_and_swap(expected_revision, &replacement.conv())
-                .conv()
-        })
+        self.storage
+            .compare_and_swap(expected_revision, &replacement.conv())
+            .conv()
     }
 
     fn delete_expired(&mut self, now: u64, limit: u32) -> Result<u32, wit_store::StoreError> {
-        self.host(|h| h.storage.delete_expired(now, limit).conv())
+        self.storage.delete_expired(now, limit).conv()
     }
 
     fn list_stale(
@@ -300,17 +172,17 @@ impl wit_store::Host for HostState {
         now: u64,
         limit: u32,
     ) -> Result<Vec<wit_types::StoredRecord>, wit_store::StoreError> {
-        self.host(|h| h.storage.list_stale(&biz_type, now, limit).conv())
+        self.storage.list_stale(&biz_type, now, limit).conv()
     }
 }
 
 impl bindings::idem::engine::clock::Host for HostState {
     fn now(&mut self) -> Timestamp {
-        self.host(|h| h.clock.now())
+        self.clock.now()
     }
 
     fn pause(&mut self, duration: u64) {
-        self.host(|h| h.clock.pause(duration))
+        self.clock.pause(duration)
     }
 }
 
@@ -319,7 +191,7 @@ impl bindings::idem::engine::results::Host for HostState {
         &mut self,
         key: wit_types::RecordKey,
     ) -> Result<Option<String>, wit_store::StoreError> {
-        self.host(|h| h.results.find_result(&key.conv()).conv())
+        self.results.find_result(&key.conv()).conv()
     }
 }
 
@@ -340,44 +212,8 @@ fn load(engine: &wasmtime::Engine, wasm: &[u8]) -> Result<bindings::IdemPre<Host
     bindings::IdemPre::new(pre).map_err(|e| Error::Load(format!("{e:#}")))
 }
 
-/// The environment variable that, set to `1`, makes Wasmtime write a perf
-/// map (`/tmp/perf-<pid>.map`) for the compiled guest, so that `perf
-/// report` names the guest's own functions instead of `[JIT]` addresses.
-/// Read when an engine is built; off otherwise, because the map grows with
-/// every compilation.
-pub const PERF_MAP_VAR: &str = "IDEM_PERF_MAP";
-
-/// A Wasmtime engine whose code checks an epoch deadline, with its own
-/// ticker thread that advances the epoch every [`EPOCH_TICK`] for as long
-/// as the engine lives.
 fn new_wasmtime_engine() -> Result<wasmtime::Engine, Error> {
-    let mut config = wasmtime::Config::new();
-    config.epoch_interruption(true);
-    if std::env::var_os(PERF_MAP_VAR).is_some_and(|v| v == "1") {
-        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
-    }
-    let engine = wasmtime::Engine::new(&config).map_err(|e| Error::Load(format!("{e:#}")))?;
-    let weak = engine.weak();
-    std::thread::Builder::new()
-        .name("idem-epoch-ticker".into())
-        .spawn(move || {
-            loop {
-                std::thread::sleep(EPOCH_TICK);
-                match weak.upgrade() {
-                    Some(engine) => engine.increment_epoch(),
-                    None => break,
-                }
-            }
-        })
-        .map_err(|e| Error::Load(format!("cannot start the epoch ticker thread: {e}")))?;
-    Ok(engine)
-}
-
-/// Epoch ticks that cover `d`: at least one.
-fn ticks(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos().div_ceil(EPOCH_TICK.as_nanos()))
-        .unwrap_or(u64::MAX)
-        .max(1)
+    crate::bounds::wasmtime_engine().map_err(Error::Load)
 }
 
 /// The default guest, compiled once per process and shared by every engine.
@@ -409,8 +245,7 @@ struct Shared {
     sqlite: Option<SqliteStore>,
     clock: Arc<dyn Clock>,
     results: Arc<dyn ResultLookup>,
-    memory_limit: usize,
-    guest_deadline: Duration,
+    bounds: GuestBounds,
     /// Idle instances, reused across calls; an instance that trapped is
     /// never put back.
     idle: Mutex<Vec<Instance>>,
@@ -444,6 +279,14 @@ impl EngineBuilder {
     pub fn guest_deadline(mut self, deadline: Duration) -> Self {
         self.guest_deadline = deadline;
         self
+    }
+
+    /// Both bounds at once: [`GuestBounds::deadline`] as
+    /// [`EngineBuilder::guest_deadline`], [`GuestBounds::memory_bytes`] as
+    /// [`EngineBuilder::memory_limit`].
+    pub fn bounds(self, bounds: GuestBounds) -> Self {
+        self.guest_deadline(bounds.deadline)
+            .memory_limit(bounds.memory_bytes)
     }
 
     /// The storage backend. Required.
@@ -503,8 +346,10 @@ impl EngineBuilder {
                 sqlite: self.sqlite,
                 clock: self.clock,
                 results: self.results,
-                memory_limit: self.memory_limit,
-                guest_deadline: self.guest_deadline,
+                bounds: GuestBounds {
+                    deadline: self.guest_deadline,
+                    memory_bytes: self.memory_limit,
+                },
                 idle: Mutex::new(Vec::new()),
             }),
         })
@@ -514,16 +359,11 @@ impl EngineBuilder {
 /// What a failed call into the guest means: a missed deadline, the memory
 /// limit, or any other trap.
 fn guest_error(e: &wasmtime::Error, context: &str) -> Error {
-    if let Some(DeadlineExceeded(limit)) = e.downcast_ref::<DeadlineExceeded>() {
-        return Error::Deadline { limit: *limit };
+    match crate::bounds::stopped(e) {
+        Some(Stopped::Deadline(limit)) => Error::Deadline { limit },
+        Some(Stopped::Memory { limit, requested }) => Error::MemoryLimit { limit, requested },
+        None => Error::Trap(format!("{context}{e:#}")),
     }
-    if let Some(m) = e.downcast_ref::<MemoryLimitExceeded>() {
-        return Error::MemoryLimit {
-            limit: m.limit,
-            requested: m.requested,
-        };
-    }
-    Error::Trap(format!("{context}{e:#}"))
 }
 
 /// How a business action ended, for [`Engine::run`].
@@ -621,24 +461,11 @@ impl Engine {
         let mut state = HostState::new(
             self.shared.storage.clone(),
             self.shared.clock.clone(),
-            self.shared.memory_limit,
-            self.shared.guest_deadline,
+            self.shared.bounds,
         );
         state.results = self.shared.results.clone();
         let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
-        store.limiter(|state| state.limits());
-        // Reached every `ticks(remaining)`: stop the guest once it has used
-        // its budget, else wait for the rest of it. Time in host imports
-        // passes the epoch on but is given back here.
-        store.epoch_deadline_callback(|ctx| {
-            let budget = &ctx.data().budget;
-            let used = budget.used();
-            if used >= budget.deadline {
-                return Err(wasmtime::Error::new(DeadlineExceeded(budget.deadline)));
-            }
-            Ok(UpdateDeadline::Continue(ticks(budget.deadline - used)))
-        });
-        store.set_epoch_deadline(ticks(self.shared.guest_deadline));
+        Guard::install(&mut store, |state| &mut state.guard);
         let idem = self
             .shared
             .loaded
@@ -662,10 +489,7 @@ impl Engine {
         if let Some(storage) = storage {
             inst.store.data_mut().storage = storage;
         }
-        inst.store.data_mut().budget.started = Instant::now();
-        inst.store.data_mut().budget.in_host = Duration::ZERO;
-        inst.store
-            .set_epoch_deadline(ticks(self.shared.guest_deadline));
+        Guard::start(&mut inst.store, |state| &mut state.guard);
         let outcome = f(inst.idem.idem_engine_engine(), &mut inst.store);
         inst.store.data_mut().storage = self.shared.storage.clone();
         match outcome {

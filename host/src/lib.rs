@@ -28,6 +28,7 @@
 
 pub mod api;
 mod bindings;
+pub mod bounds;
 pub mod clock;
 pub mod engine;
 pub mod layer;
@@ -42,6 +43,7 @@ pub use api::{
     FailureMode, InProgressMode, InputField, InputRule, InvalidInput, KeyCharset, KeyFormat,
     KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed, Ticket, UnknownInfo, WaitSpec,
 };
+pub use bounds::GuestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
     ActionResult, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup, RunOutcome,

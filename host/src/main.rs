@@ -5,7 +5,6 @@ use std::ffi::{OsStr, OsString};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -113,8 +112,10 @@ enum Command {
         #[arg(long)]
         middleware: Option<PathBuf>,
     },
-    /// Serve a composed middleware component over HTTP, with --db as its
-    /// store (`wasmtime serve` cannot: it does not supply idem's imports).
+    /// Serve a composed middleware component over HTTP, with --db (SQLite
+    /// or PostgreSQL) as its store and the routes, policies and guest
+    /// bounds of --config (`wasmtime serve` cannot: it does not supply
+    /// idem's imports).
     #[cfg(feature = "middleware")]
     ServeComponent {
         /// The composed component (see `idem compose`).
@@ -236,12 +237,7 @@ enum Db {
 impl Db {
     /// An engine on this store, bounded as `config` says.
     fn engine(&self, config: &ProxyConfig) -> Result<Engine> {
-        let builder = Engine::builder()
-            .guest_deadline(Duration::from_millis(config.guest_deadline_ms))
-            .memory_limit(
-                usize::try_from(config.guest_memory_bytes)
-                    .context("guest_memory_bytes does not fit this machine's address space")?,
-            );
+        let builder = Engine::builder().bounds(config.guest_bounds()?);
         let builder = match self {
             Db::Sqlite(s) => builder.storage(s.clone()),
             #[cfg(feature = "postgres")]
@@ -339,7 +335,7 @@ fn run_serve_component(
         std::fs::read(component).with_context(|| format!("cannot read {}", component.display()))?;
     let store = open(cli, config)?.shared();
     let clock: Arc<dyn idem::Clock> = Arc::new(idem::SystemClock::new());
-    let server = idem::middleware::ComponentServer::new(&wasm, store, clock)?;
+    let server = idem::middleware::ComponentServer::new(&wasm, store, clock, config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -354,7 +350,13 @@ fn run_serve_component(
             writeln!(out, "idem listening on http://{}", listener.local_addr()?)?;
             out.flush()?;
         }
-        serve(listener, server.router(), signals.recv()).await?;
+        serve_with(
+            listener,
+            server.router(),
+            server.serve_options(),
+            signals.recv(),
+        )
+        .await?;
         tracing::info!("stopped");
         Ok(())
     })

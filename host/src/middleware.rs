@@ -9,19 +9,55 @@
 //! `wasmtime-wasi` and `wasmtime-wasi-http`, the store from any
 //! [`Storage`], and the bridge from here.
 //!
+//! It is configured as `idem serve` is, from the same [`ProxyConfig`]:
+//!
+//! - the guest is bounded as the engine is ([`crate::bounds`]): the same
+//!   Wasmtime configuration (epoch interruption and its ticker), the same
+//!   deadline (`guest_deadline_ms`, per request, time in host calls not
+//!   counted) and the same memory cap (`guest_memory_bytes`, all the
+//!   component's memories together). A request whose component runs past
+//!   either is answered `500` and its instance discarded; the server goes
+//!   on serving;
+//! - each request gets the route its method and path match in `[[routes]]`
+//!   (or `[defaults]`): its biz type, policy, key requirement, `anonymous`
+//!   mode and `server_errors`, with the configured `scope_header`, through
+//!   `http-bridge.request-route`.
+//!
 //! Each request gets a fresh instance (as `wasmtime serve` does), so the
 //! store, never the instance, carries state between requests. The whole
 //! request body is read before the component runs, up to
 //! [`MAX_REQUEST_BODY_BYTES`].
+//!
+//! # Threads
+//!
+//! The instance runs as a task of the async runtime, with Wasmtime's async
+//! API, as `wasi:http` requires; the store calls never run on the
+//! runtime's worker threads. Each call of idem's `store`, `clock.pause` and
+//! `results` imports is an async import that hands the blocking call to
+//! the runtime's blocking thread pool ([`blocking`]) and suspends the
+//! instance until it returns. That is the same pool `idem serve` runs its
+//! engine calls on, so every [`Storage`] works here as it does there,
+//! including the PostgreSQL store, whose blocking client runs a runtime of
+//! its own and cannot be called from a worker thread. The other designs
+//! were worse: running the whole instance on a blocking thread (with a
+//! runtime of its own, or `block_on`) would hold a thread for as long as a
+//! client takes to read its response, and still need the store calls to
+//! leave that thread's runtime; `block_in_place` in a synchronous import
+//! would take a worker out of the runtime on every store call, and panic
+//! on a current-thread runtime. Between two host calls the guest computes
+//! on a worker, as every `wasi:http` host runs it, but it yields to the
+//! runtime at every epoch tick ([`crate::bounds::Flavor::Async`]), so a
+//! guest that loops holds no worker for its whole deadline.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Request, State as AxumState};
+use axum::extract::{ConnectInfo, Request, State as AxumState};
 use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, header};
+use http::{HeaderValue, Method, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use wasmtime::component::{Component, HasSelf, Linker, Resource, ResourceTable};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
@@ -31,11 +67,16 @@ use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::p2::types::{HostIncomingRequest, HostResponseOutparam};
 use wasmtime_wasi_http::{WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
-use crate::bindings::{self as idem_bindings, wit_types};
+use crate::bindings::{Conv, wit_types};
+use crate::bounds::{Flavor, Guard, GuestBounds, Stopped};
 use crate::clock::Clock;
-use crate::engine::{DEFAULT_GUEST_DEADLINE, DEFAULT_MEMORY_LIMIT, HostState};
-use crate::proxy::{Problem, ProblemType};
-use crate::store::Storage;
+use crate::engine::{NoLookup, ResultLookup};
+use crate::proxy::config::{
+    AnonymousMode, ConfigError, KeyRequirement, ProxyConfig, RouteTable, ServerErrors,
+};
+use crate::proxy::{Problem, ProblemType, ServeOptions};
+use crate::store::{Storage, StoreError};
+use crate::types;
 
 /// The middleware component built from `guest/` with its `middleware`
 /// feature by `build.rs`: compose it with a handler (`idem compose`).
@@ -60,7 +101,10 @@ pub const MAX_CAPTURED_BODY_BYTES: usize = 64 * 1024 * 1024;
 pub const CAPTURE_FINISH_TIMEOUT: Duration = Duration::from_secs(5);
 
 mod bridge {
-    //! Host bindings of the `middleware` world's `http-bridge` import.
+    //! Host bindings of the `middleware` world's imports beyond WASI and
+    //! `wasi:http`: idem's `store`, `clock` and `results` as async imports
+    //! (see the module docs, "Threads"), and `http-bridge`. The records
+    //! are the engine bindings' own, so the engine's conversions apply.
     #![allow(missing_docs)]
     wasmtime::component::bindgen!({
         path: "../wit",
@@ -71,15 +115,13 @@ mod bridge {
             "wasi:io": wasmtime_wasi::p2::bindings::io,
             "wasi:clocks": wasmtime_wasi::p2::bindings::clocks,
             "idem:engine/types": crate::bindings::idem::engine::types,
-            "idem:engine/store": crate::bindings::idem::engine::store,
-            "idem:engine/clock": crate::bindings::idem::engine::clock,
-            "idem:engine/results": crate::bindings::idem::engine::results,
             "idem:engine/http-bridge.response-capture": super::Capture,
         },
     });
 }
 
 use bridge::idem::engine::http_bridge::{self, BodyError};
+use bridge::idem::engine::{clock as wit_clock, results as wit_results, store as wit_store};
 
 /// A `response-capture`: the outparam handed to the wrapped handler, and
 /// the task that collects what the handler sets.
@@ -114,15 +156,38 @@ impl WasiHttpHooks for DenyOutgoing {
     }
 }
 
+/// The request the host made for one call, and what the bridge tells the
+/// component about it.
+struct Call {
+    /// The `incoming-request` resource's handle.
+    rep: u32,
+    /// Its whole body.
+    body: Bytes,
+    /// Its route.
+    route: http_bridge::Route,
+    /// The client's address, as `client-address` gives it.
+    client: Option<String>,
+}
+
 /// What one instance's imports reach.
 struct State {
     wasi: WasiCtx,
     http: WasiHttpCtx,
     hooks: DenyOutgoing,
     table: ResourceTable,
-    idem: HostState,
-    /// The request the host made for this call, and its whole body.
-    request: Option<(u32, Bytes)>,
+    storage: Arc<dyn Storage>,
+    clock: Arc<dyn Clock>,
+    results: Arc<dyn ResultLookup>,
+    /// The memory cap and this request's budget of guest time.
+    guard: Guard,
+    call: Option<Call>,
+}
+
+impl State {
+    /// The call `request` belongs to, when it is the host's request.
+    fn call(&self, request: &Resource<HostIncomingRequest>) -> Option<&Call> {
+        self.call.as_ref().filter(|c| c.rep == request.rep())
+    }
 }
 
 impl WasiView for State {
@@ -144,17 +209,150 @@ impl WasiHttpView for State {
     }
 }
 
+/// Runs `call`, a blocking call of a store, a clock or a result lookup, on
+/// the async runtime's blocking thread pool and waits for it without
+/// holding a worker thread (see the module docs, "Threads"). A call that
+/// panicked is a store error, never a trap: the middleware answers it as
+/// the store being unavailable.
+async fn blocking<R: Send + 'static>(
+    call: impl FnOnce() -> Result<R, StoreError> + Send + 'static,
+) -> Result<R, StoreError> {
+    tokio::task::spawn_blocking(call)
+        .await
+        .unwrap_or_else(|e| Err(StoreError::Internal(format!("the store call failed: {e}"))))
+}
+
+impl From<StoreError> for wit_store::StoreError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(m) => wit_store::StoreError::Unavailable(m),
+            StoreError::Rejected(m) => wit_store::StoreError::Rejected(m),
+            StoreError::Internal(m) => wit_store::StoreError::Internal(m),
+        }
+    }
+}
+
+impl From<types::InsertOutcome> for wit_store::InsertOutcome {
+    fn from(o: types::InsertOutcome) -> Self {
+        match o {
+            types::InsertOutcome::Inserted(r) => wit_store::InsertOutcome::Inserted(r.conv()),
+            types::InsertOutcome::Existing(r) => wit_store::InsertOutcome::Existing(r.conv()),
+        }
+    }
+}
+
+impl From<types::SwapOutcome> for wit_store::SwapOutcome {
+    fn from(o: types::SwapOutcome) -> Self {
+        match o {
+            types::SwapOutcome::Swapped => wit_store::SwapOutcome::Swapped,
+            types::SwapOutcome::Stale(r) => wit_store::SwapOutcome::Stale(r.conv()),
+        }
+    }
+}
+
+/// What a store import answers the component.
+type StoreAnswer<T> = wasmtime::Result<Result<T, wit_store::StoreError>>;
+
+impl wit_store::Host for State {
+    async fn insert_if_absent(
+        &mut self,
+        candidate: wit_types::StoredRecord,
+    ) -> StoreAnswer<wit_store::InsertOutcome> {
+        let storage = self.storage.clone();
+        let answer = blocking(move || storage.insert_if_absent(&candidate.conv())).await;
+        Ok(answer.map(Into::into).map_err(Into::into))
+    }
+
+    async fn get(
+        &mut self,
+        key: wit_types::RecordKey,
+    ) -> StoreAnswer<Option<wit_types::StoredRecord>> {
+        let storage = self.storage.clone();
+        let answer = blocking(move || storage.get(&key.conv())).await;
+        Ok(answer.map(Conv::conv).map_err(Into::into))
+    }
+
+    async fn compare_and_swap(
+        &mut self,
+        expected_revision: u64,
+        replacement: wit_types::StoredRecord,
+    ) -> StoreAnswer<wit_store::SwapOutcome> {
+        let storage = self.storage.clone();
+        let answer =
+            blocking(move || storage.compare_and_swap(expected_revision, &replacement.conv()))
+                .await;
+        Ok(answer.map(Into::into).map_err(Into::into))
+    }
+
+    async fn delete_expired(&mut self, now: u64, limit: u32) -> StoreAnswer<u32> {
+        let storage = self.storage.clone();
+        let answer = blocking(move || storage.delete_expired(now, limit)).await;
+        Ok(answer.map_err(Into::into))
+    }
+
+    async fn list_stale(
+        &mut self,
+        biz_type: String,
+        now: u64,
+        limit: u32,
+    ) -> StoreAnswer<Vec<wit_types::StoredRecord>> {
+        let storage = self.storage.clone();
+        let answer = blocking(move || storage.list_stale(&biz_type, now, limit)).await;
+        Ok(answer.map(Conv::conv).map_err(Into::into))
+    }
+}
+
+impl wit_clock::Host for State {
+    async fn now(&mut self) -> wasmtime::Result<types::Timestamp> {
+        // Reading the clock does not block.
+        Ok(self.clock.now())
+    }
+
+    async fn pause(&mut self, duration: u64) -> wasmtime::Result<()> {
+        let clock = self.clock.clone();
+        // Pausing may sleep the thread (the system clock does).
+        let _ = blocking(move || {
+            clock.pause(duration);
+            Ok(())
+        })
+        .await;
+        Ok(())
+    }
+}
+
+impl wit_results::Host for State {
+    async fn find_result(&mut self, key: wit_types::RecordKey) -> StoreAnswer<Option<String>> {
+        let results = self.results.clone();
+        let answer = blocking(move || results.find_result(&key.conv())).await;
+        Ok(answer.map_err(Into::into))
+    }
+}
+
 impl http_bridge::Host for State {
     async fn request_body(
         &mut self,
         request: Resource<HostIncomingRequest>,
     ) -> wasmtime::Result<Result<Vec<u8>, BodyError>> {
-        Ok(match &self.request {
-            Some((rep, body)) if *rep == request.rep() => Ok(body.to_vec()),
-            _ => Err(BodyError::Unreadable(
+        Ok(match self.call(&request) {
+            Some(call) => Ok(call.body.to_vec()),
+            None => Err(BodyError::Unreadable(
                 "this request was not made by the host for this call".into(),
             )),
         })
+    }
+
+    async fn request_route(
+        &mut self,
+        request: Resource<HostIncomingRequest>,
+    ) -> wasmtime::Result<Option<http_bridge::Route>> {
+        Ok(self.call(&request).map(|call| call.route.clone()))
+    }
+
+    async fn client_address(
+        &mut self,
+        request: Resource<HostIncomingRequest>,
+    ) -> wasmtime::Result<Option<String>> {
+        Ok(self.call(&request).and_then(|call| call.client.clone()))
     }
 }
 
@@ -243,6 +441,9 @@ pub enum ServeError {
     /// `wasi:http` and idem's interfaces.
     #[error("cannot load the component: {0}")]
     Load(String),
+    /// The configuration's routes or guest bounds are invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
 }
 
 /// A compiled middleware component, ready to serve. Cheap to clone.
@@ -255,30 +456,40 @@ struct Inner {
     pre: ProxyPre<State>,
     storage: Arc<dyn Storage>,
     clock: Arc<dyn Clock>,
+    routes: RouteTable,
+    bounds: GuestBounds,
+    serve: ServeOptions,
 }
 
 impl ComponentServer {
     /// Compiles `wasm` and links it against WASI, `wasi:http`, `storage`,
-    /// `clock` and the bridge.
+    /// `clock` and the bridge, configured by `config` as `idem serve` is:
+    /// its routes and policies, its `scope_header`, its guest bounds
+    /// (`guest_deadline_ms`, `guest_memory_bytes`) and its
+    /// `header_read_timeout_ms`. Its upstream, sweep and group-commit keys
+    /// have no meaning here.
     ///
     /// # Errors
     ///
-    /// [`ServeError::Load`] when the component does not compile or link.
+    /// [`ServeError::Load`] when the component does not compile or link;
+    /// [`ServeError::Config`] when `config` does not resolve.
     pub fn new(
         wasm: &[u8],
         storage: Arc<dyn Storage>,
         clock: Arc<dyn Clock>,
+        config: &ProxyConfig,
     ) -> Result<Self, ServeError> {
+        let routes = config.resolve()?;
+        let bounds = config.guest_bounds()?;
         let load = |e: wasmtime::Error| ServeError::Load(format!("{e:#}"));
-        let engine = wasmtime::Engine::default();
+        let engine = crate::bounds::wasmtime_engine().map_err(ServeError::Load)?;
         let component = Component::new(&engine, wasm).map_err(load)?;
         let mut linker = Linker::<State>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(load)?;
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(load)?;
-        idem_bindings::Idem::add_to_linker::<State, HasSelf<HostState>>(&mut linker, |s| {
-            &mut s.idem
-        })
-        .map_err(load)?;
+        wit_store::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s).map_err(load)?;
+        wit_clock::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s).map_err(load)?;
+        wit_results::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s).map_err(load)?;
         http_bridge::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s).map_err(load)?;
         let pre = linker.instantiate_pre(&component).map_err(load)?;
         let pre = ProxyPre::new(pre).map_err(load)?;
@@ -287,6 +498,11 @@ impl ComponentServer {
                 pre,
                 storage,
                 clock,
+                routes,
+                bounds,
+                serve: ServeOptions {
+                    header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+                },
             }),
         })
     }
@@ -297,10 +513,40 @@ impl ComponentServer {
             .fallback(handle)
             .with_state(self.inner.clone())
     }
+
+    /// How to serve [`ComponentServer::router`] (with
+    /// [`crate::proxy::serve_with`]): the configuration's
+    /// `header_read_timeout_ms`.
+    pub fn serve_options(&self) -> ServeOptions {
+        self.inner.serve
+    }
 }
 
 fn problem(kind: ProblemType, detail: &str) -> Response {
     Problem::new(kind, detail).into_response()
+}
+
+/// What the bridge's `route` answers for a request to `method` and `path`.
+fn route_for(routes: &RouteTable, method: &Method, path: &str) -> http_bridge::Route {
+    let route = routes.find(method, path);
+    http_bridge::Route {
+        biz_type: route.biz_type.clone(),
+        policy: route.policy.clone().conv(),
+        key: match route.key_requirement(method) {
+            KeyRequirement::Required => http_bridge::KeyRequirement::Required,
+            KeyRequirement::Optional => http_bridge::KeyRequirement::Optional,
+        },
+        anonymous: match route.anonymous {
+            AnonymousMode::Reject => http_bridge::AnonymousMode::Reject,
+            AnonymousMode::Shared => http_bridge::AnonymousMode::Shared,
+            AnonymousMode::ClientAddress => http_bridge::AnonymousMode::ClientAddress,
+        },
+        server_errors: match route.server_errors {
+            ServerErrors::Retry => http_bridge::ServerErrors::Retry,
+            ServerErrors::Store => http_bridge::ServerErrors::Store,
+        },
+        scope_header: routes.scope_header().map(|h| h.as_str().to_owned()),
+    }
 }
 
 async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Response {
@@ -329,9 +575,55 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
             .headers
             .insert(header::HOST, HeaderValue::from_static("localhost"));
     }
-    match run(&inner, hyper::Request::from_parts(parts, body)).await {
+    let route = route_for(&inner.routes, &parts.method, parts.uri.path());
+    let client = parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|ConnectInfo(peer)| peer.ip().to_canonical().to_string());
+    let request = hyper::Request::from_parts(parts, body);
+    match run(&inner, request, route, client).await {
         Ok(response) => response,
-        Err(e) => {
+        Err(e) => failure_problem(&inner, &e),
+    }
+}
+
+/// The answer to a request whose component failed before it answered.
+fn failure_problem(inner: &Inner, e: &wasmtime::Error) -> Response {
+    match crate::bounds::stopped(e) {
+        Some(Stopped::Deadline(limit)) => {
+            tracing::error!(
+                deadline_ms = limit.as_millis(),
+                "the component ran past its deadline and was stopped"
+            );
+            Problem::new(
+                ProblemType::InternalError,
+                format!(
+                    "The component ran past its deadline of {} ms and was stopped. Retry with the same Idempotency-Key.",
+                    limit.as_millis()
+                ),
+            )
+            .with(
+                "guest_deadline_ms",
+                u64::try_from(inner.bounds.deadline.as_millis()).unwrap_or(u64::MAX),
+            )
+            .into_response()
+        }
+        Some(Stopped::Memory { limit, requested }) => {
+            tracing::error!(
+                limit,
+                requested,
+                "the component needed more than its memory limit and was stopped"
+            );
+            Problem::new(
+                ProblemType::InternalError,
+                format!(
+                    "The component needed more than its memory limit of {limit} bytes and was stopped. Retry with the same Idempotency-Key."
+                ),
+            )
+            .with("guest_memory_bytes", limit)
+            .into_response()
+        }
+        None => {
             tracing::error!(error = %e, "the component failed");
             problem(
                 ProblemType::InternalError,
@@ -341,23 +633,27 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
     }
 }
 
-/// Runs one request on a fresh instance.
-async fn run(inner: &Inner, request: hyper::Request<Bytes>) -> wasmtime::Result<Response> {
+/// Runs one request on a fresh instance, bounded by the server's guest
+/// bounds.
+async fn run(
+    inner: &Inner,
+    request: hyper::Request<Bytes>,
+    route: http_bridge::Route,
+    client: Option<String>,
+) -> wasmtime::Result<Response> {
     let state = State {
         wasi: WasiCtx::builder().inherit_stdout().inherit_stderr().build(),
         http: WasiHttpCtx::new(),
         hooks: DenyOutgoing,
         table: ResourceTable::new(),
-        idem: HostState::new(
-            inner.storage.clone(),
-            inner.clock.clone(),
-            DEFAULT_MEMORY_LIMIT,
-            DEFAULT_GUEST_DEADLINE,
-        ),
-        request: None,
+        storage: inner.storage.clone(),
+        clock: inner.clock.clone(),
+        results: Arc::new(NoLookup),
+        guard: Guard::new(inner.bounds, Flavor::Async),
+        call: None,
     };
     let mut store = wasmtime::Store::new(inner.pre.engine(), state);
-    store.limiter(|s| s.idem.limits());
+    Guard::install(&mut store, |s| &mut s.guard);
     let (parts, body) = request.into_parts();
     let bytes = body.clone();
     let full = Full::new(body);
@@ -365,7 +661,12 @@ async fn run(inner: &Inner, request: hyper::Request<Bytes>) -> wasmtime::Result<
         .data_mut()
         .http()
         .new_incoming_request(Scheme::Http, hyper::Request::from_parts(parts, full))?;
-    store.data_mut().request = Some((req.rep(), bytes));
+    store.data_mut().call = Some(Call {
+        rep: req.rep(),
+        body: bytes,
+        route,
+        client,
+    });
     let (tx, rx) = tokio::sync::oneshot::channel();
     let out = store.data_mut().http().new_response_outparam(tx)?;
     let pre = inner.pre.clone();
@@ -463,6 +764,94 @@ mod tests {
                 .any(|e| e == "wasi:http/incoming-handler@0.2.12")
         );
         assert!(exports.iter().any(|e| e == "idem:engine/engine@0.1.0"));
+    }
+
+    #[test]
+    fn each_request_gets_the_settings_of_its_route() {
+        let config = ProxyConfig::from_toml_str(
+            r#"
+            scope_header = "X-Tenant-Id"
+            [defaults]
+            anonymous = "shared"
+            [[routes]]
+            method = "POST"
+            path = "/orders"
+            biz_type = "order.create"
+            lease_ms = 5000
+            server_errors = "store"
+            [[routes]]
+            path = "/public/*"
+            biz_type = "public"
+            key = "optional"
+            anonymous = "client-address"
+            "#,
+        )
+        .unwrap();
+        let routes = config.resolve().unwrap();
+        let orders = route_for(&routes, &Method::POST, "/orders");
+        assert_eq!(orders.biz_type, "order.create");
+        assert_eq!(orders.policy.lease_ms, 5000);
+        let policy: crate::api::Policy = orders.policy.clone().conv();
+        assert_eq!(
+            policy,
+            config.policy_for("order.create"),
+            "the policy of its biz type"
+        );
+        assert!(matches!(orders.key, http_bridge::KeyRequirement::Required));
+        assert!(matches!(
+            orders.anonymous,
+            http_bridge::AnonymousMode::Shared
+        ));
+        assert!(matches!(
+            orders.server_errors,
+            http_bridge::ServerErrors::Store
+        ));
+        assert_eq!(orders.scope_header.as_deref(), Some("x-tenant-id"));
+
+        let public = route_for(&routes, &Method::POST, "/public/x");
+        assert_eq!(public.biz_type, "public");
+        assert!(matches!(public.key, http_bridge::KeyRequirement::Optional));
+        assert!(matches!(
+            public.anonymous,
+            http_bridge::AnonymousMode::ClientAddress
+        ));
+        assert!(matches!(
+            public.server_errors,
+            http_bridge::ServerErrors::Retry
+        ));
+
+        // Unrouted: the defaults, biz type `http`; a key is required of
+        // POST only.
+        let post = route_for(&routes, &Method::POST, "/elsewhere");
+        assert_eq!(post.biz_type, "http");
+        assert!(matches!(post.key, http_bridge::KeyRequirement::Required));
+        let put = route_for(&routes, &Method::PUT, "/orders");
+        assert_eq!(put.biz_type, "http");
+        assert!(matches!(put.key, http_bridge::KeyRequirement::Optional));
+    }
+
+    #[test]
+    fn a_server_refuses_a_bad_config_and_an_uncomposed_middleware() {
+        let store: Arc<dyn Storage> = Arc::new(crate::store::MemoryStore::new());
+        let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock::new());
+        let error = |config: &ProxyConfig| {
+            ComponentServer::new(MIDDLEWARE_GUEST, store.clone(), clock.clone(), config)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        let bad = ProxyConfig {
+            guest_deadline_ms: 0,
+            ..ProxyConfig::default()
+        };
+        let e = error(&bad);
+        assert!(e.contains("guest_deadline_ms"), "{e}");
+        // The middleware alone still imports the handler it wraps.
+        let e = error(&ProxyConfig::default());
+        assert!(
+            e.contains("cannot load") && e.contains("wasi:http/incoming-handler"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -171,12 +171,24 @@ impl Serve {
 /// `idem serve-component COMPONENT --listen 127.0.0.1:0 --db DB`: serves a
 /// composed middleware component; waits for its listening line.
 pub fn serve_component(component: &Path, db: &Path) -> Result<Proxy> {
+    serve_component_with(component, db.as_os_str(), &[])
+}
+
+/// `idem serve-component COMPONENT --listen 127.0.0.1:0 --db DB ARGS...`
+/// (such as `--pg-schema S` or `--config FILE`); waits for its listening
+/// line.
+pub fn serve_component_with(
+    component: &Path,
+    db: &std::ffi::OsStr,
+    args: &[&std::ffi::OsStr],
+) -> Result<Proxy> {
     let mut cmd = Command::new(idem_bin()?);
     cmd.arg("serve-component")
         .arg(component)
         .args(["--listen", "127.0.0.1:0"])
         .arg("--db")
-        .arg(db);
+        .arg(db)
+        .args(args);
     start(cmd, false)
 }
 

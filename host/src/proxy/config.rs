@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::path::Path;
+use std::time::Duration;
 
 use http::{HeaderName, Method};
 use serde::de::{self, MapAccess, Visitor};
@@ -14,6 +15,7 @@ use serde::{Deserialize, Deserializer};
 use crate::api::{
     DEFAULT_MAX_BODY_BYTES, ExpiredLease, FailureMode, InProgressMode, KeyFormat, Policy, WaitSpec,
 };
+use crate::bounds::GuestBounds;
 
 /// The biz type of requests that match no route.
 pub const DEFAULT_BIZ_TYPE: &str = "http";
@@ -433,13 +435,16 @@ pub struct ProxyConfig {
     /// `guest_deadline_ms`: the longest one call into the engine component
     /// may compute, in milliseconds; time in the store, the clock and the
     /// result lookup does not count. A call past it fails (500) and its
-    /// instance is discarded. Default 1 000
+    /// instance is discarded. `idem serve-component` gives each request to
+    /// the component it serves the same budget. Default 1 000
     /// ([`crate::engine::DEFAULT_GUEST_DEADLINE`]).
     pub guest_deadline_ms: u64,
     /// `guest_memory_bytes`: the most linear memory one instance of the
     /// engine component may use, in bytes, at least 4 MiB. A call that
-    /// needs more fails (500) and its instance is discarded. Default
-    /// 268 435 456 (256 MiB, [`crate::engine::DEFAULT_MEMORY_LIMIT`]).
+    /// needs more fails (500) and its instance is discarded. `idem
+    /// serve-component` caps each instance of the component it serves the
+    /// same way, all its memories together. Default 268 435 456 (256 MiB,
+    /// [`crate::engine::DEFAULT_MEMORY_LIMIT`]).
     pub guest_memory_bytes: u64,
     /// `group_commit`: with a SQLite `--db`, batch the claims and
     /// completions of concurrent requests into one transaction, each
@@ -500,6 +505,28 @@ impl ProxyConfig {
             source,
         })?;
         ProxyConfig::from_toml_str(&text)
+    }
+
+    /// The bounds `guest_deadline_ms` and `guest_memory_bytes` put on every
+    /// guest component this configuration runs: the engine of `idem serve`
+    /// and of the operator commands, and the component `idem
+    /// serve-component` serves.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Invalid`] when `guest_memory_bytes` does not fit this
+    /// machine's address space.
+    pub fn guest_bounds(&self) -> Result<GuestBounds, ConfigError> {
+        let memory_bytes = usize::try_from(self.guest_memory_bytes).map_err(|_| {
+            ConfigError::invalid(
+                "guest_memory_bytes",
+                "does not fit this machine's address space",
+            )
+        })?;
+        Ok(GuestBounds {
+            deadline: Duration::from_millis(self.guest_deadline_ms),
+            memory_bytes,
+        })
     }
 
     /// The policy of `biz_type`: the first route with that biz type, or the
@@ -1051,6 +1078,17 @@ mod tests {
         let c = ProxyConfig::from_toml_str("guest_deadline_ms = 250\nguest_memory_bytes = 8388608")
             .unwrap();
         assert_eq!((c.guest_deadline_ms, c.guest_memory_bytes), (250, 8 << 20));
+        assert_eq!(
+            c.guest_bounds().unwrap(),
+            GuestBounds {
+                deadline: Duration::from_millis(250),
+                memory_bytes: 8 << 20
+            }
+        );
+        assert_eq!(
+            ProxyConfig::default().guest_bounds().unwrap(),
+            GuestBounds::default()
+        );
         let m = parse_err("guest_deadline_ms = 0");
         assert!(
             m.contains("guest_deadline_ms") && m.contains("at least 1"),

@@ -14,6 +14,13 @@
 //!   instance from a reused one;
 //! - [`SLOW_HOST`]: spend [`SLOW_HOST_PAUSES`] × [`SLOW_HOST_PAUSE_MS`] in
 //!   the host's `clock.pause`, then answer like [`COUNT`].
+//!
+//! With the `middleware` feature it builds the `middleware` world instead:
+//! the real middleware (`idem_guest::middleware::wrap`) around the imported
+//! handler, except that a request whose route has the biz type [`LOOP`] or
+//! [`ALLOCATE`] (set by the host's configuration) runs, in place of the
+//! handler, code that computes forever or allocates without end: after the
+//! middleware claimed its key, as a handler that misbehaves would.
 #![cfg_attr(target_arch = "wasm32", no_std)]
 // Natively the crate is compiled (and linted) but exports nothing.
 #![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
@@ -61,25 +68,55 @@ fn served() -> Decision {
     })
 }
 
-/// The exported engine interface.
+/// Computes forever.
+fn spin() -> ! {
+    let mut n = 0u64;
+    loop {
+        n = core::hint::black_box(n.wrapping_add(1));
+    }
+}
+
+/// Allocates 1 MiB after 1 MiB, without end.
+fn hoard() -> ! {
+    let mut hoard: Vec<Box<[u8]>> = Vec::new();
+    loop {
+        hoard.push(core::hint::black_box(alloc::vec![1u8; 1 << 20]).into_boxed_slice());
+    }
+}
+
+/// The exported engine interface (and, with the `middleware` feature, the
+/// exported `incoming-handler`).
 struct Misbehaving;
+
+#[cfg(feature = "middleware")]
+mod middleware {
+    //! The exported `incoming-handler` of the `middleware` world.
+
+    use idem_guest::bindings::exports::wasi::http::incoming_handler::Guest as HandlerGuest;
+    use idem_guest::bindings::wasi::http::incoming_handler as inner;
+    use idem_guest::bindings::wasi::http::types::{IncomingRequest, ResponseOutparam};
+
+    use super::{ALLOCATE, LOOP, Misbehaving, hoard, spin};
+
+    impl HandlerGuest for Misbehaving {
+        fn handle(request: IncomingRequest, out: ResponseOutparam) {
+            idem_guest::middleware::wrap(request, out, |ticket, request, out| {
+                match ticket.key.biz_type.as_str() {
+                    LOOP => spin(),
+                    ALLOCATE => hoard(),
+                    _ => inner::handle(request, out),
+                }
+            });
+        }
+    }
+}
 
 impl Guest for Misbehaving {
     fn begin(request: BeginRequest) -> Result<Decision, EngineError> {
         CALLS.fetch_add(1, Ordering::Relaxed);
         match request.key.biz_type.as_str() {
-            LOOP => {
-                let mut n = 0u64;
-                loop {
-                    n = core::hint::black_box(n.wrapping_add(1));
-                }
-            }
-            ALLOCATE => {
-                let mut hoard: Vec<Box<[u8]>> = Vec::new();
-                loop {
-                    hoard.push(core::hint::black_box(alloc::vec![1u8; 1 << 20]).into_boxed_slice());
-                }
-            }
+            LOOP => spin(),
+            ALLOCATE => hoard(),
             TRAP => panic!("asked to trap"),
             TRAP_AFTER_CLAIM => {
                 let decision = machine::begin(&Imports, &request)?;
