@@ -17,6 +17,8 @@ fn main() {
             "tests/guests/misbehaving/Cargo.toml",
             "guest/src",
             "guest/Cargo.toml",
+            "guest/http/src",
+            "guest/http/Cargo.toml",
         ],
     );
 }

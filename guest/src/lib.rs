@@ -11,8 +11,9 @@
 //!
 //! With the `middleware` feature the crate builds the `middleware` world
 //! instead: the same engine, plus a `wasi:http` handler ([`middleware`])
-//! that wraps another handler with idempotency; [`http`] holds its
-//! plain-Rust HTTP rules.
+//! that wraps another handler with idempotency. Its HTTP rules are the
+//! `idem-http` crate's, which `idem serve` uses too; [`http`] converts
+//! between that crate's types and the bindings'.
 #![cfg_attr(target_arch = "wasm32", no_std)]
 #![warn(missing_docs)]
 

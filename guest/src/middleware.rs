@@ -5,8 +5,8 @@
 //! Every decision is the engine's: the handler calls [`machine::begin`],
 //! [`machine::complete`] and [`machine::fail`] through the same [`Imports`]
 //! environment as the `engine` export, and only maps HTTP to a
-//! `begin-request` and decisions back to HTTP, with the rules of
-//! `idem serve` ([`crate::http`]).
+//! `begin-request` and decisions back to HTTP, with the rules `idem serve`
+//! runs too ([`idem_http`]; [`crate::http`] converts its types).
 //!
 //! A wasm guest cannot run a heartbeat beside the wrapped handler, so a
 //! handler must answer within [`LEASE_MS`]; past it a duplicate takes the
@@ -18,8 +18,8 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 use crate::bindings::exports::idem::engine::engine::{
-    BeginRequest, Completion, Decision, Disposition, EngineError, ExpiredLease, FailureMode,
-    InProgressMode, InputField, InputRule, InvalidInput, KeyCharset, KeyFormat, Policy, Ticket,
+    BeginRequest, Completion, Disposition, EngineError, ExpiredLease, FailureMode, InProgressMode,
+    KeyCharset, KeyFormat, Policy, Ticket,
 };
 use crate::bindings::exports::wasi::http::incoming_handler::Guest as HandlerGuest;
 use crate::bindings::idem::engine::http_bridge::{self, BodyError, ResponseCapture};
@@ -29,8 +29,9 @@ use crate::bindings::wasi::http::types::{
     Fields, IncomingRequest, Method, OutgoingBody, OutgoingResponse, ResponseOutparam,
 };
 use crate::component::{Component, Imports};
-use crate::http::{self, Problem, ProblemType};
+use crate::http;
 use crate::machine;
+use idem_http::{Answer, KeyRequirement, Problem, ServerErrors};
 
 /// The biz type of every key the middleware stores: the same as the
 /// proxy's default route, so `idem inspect --biz http` finds them.
@@ -56,7 +57,15 @@ pub const RETRY_AFTER_MS: u64 = 1000;
 /// one client another's stored response. The middleware has no
 /// configuration of its own (its policy is fixed too), and `wasi:http` 0.2
 /// gives it no client address, so `client-address` has no counterpart.
-pub const ANONYMOUS: http::Anonymous = http::Anonymous::Reject;
+pub const ANONYMOUS: idem_http::AnonymousMode = idem_http::AnonymousMode::Reject;
+
+/// What a 5xx from the wrapped handler means: retryable, `idem serve`'s
+/// default (`server_errors = "retry"`).
+pub const SERVER_ERRORS: ServerErrors = ServerErrors::Retry;
+
+/// Whether POST and PATCH need a key: they do, as `idem serve`'s default;
+/// other unsafe methods are deduplicated only when they carry one.
+pub const POST_PATCH_KEY: KeyRequirement = KeyRequirement::Required;
 
 /// The largest request body fingerprinted: 1 MiB, the proxy's default. The
 /// host's bridge enforces its own limit on what it buffers.
@@ -116,22 +125,12 @@ fn values<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Vec<&'a [u8]> {
 /// out.
 fn respond(out: ResponseOutparam, response: &StoredResponse, replayed: bool) {
     let fields = Fields::new();
-    for (name, value) in &response.headers {
-        if replayed && name.eq_ignore_ascii_case(http::IDEMPOTENT_REPLAYED) {
-            continue;
-        }
+    for (name, value) in idem_http::response_headers(&response.headers, replayed) {
         let _ = fields.append(name, value);
-    }
-    if replayed {
-        let _ = fields.append(http::IDEMPOTENT_REPLAYED, b"true");
     }
     let outgoing = OutgoingResponse::new(fields);
     if outgoing.set_status_code(response.status).is_err() {
-        let problem = Problem::new(
-            ProblemType::InternalError,
-            "The stored response for this Idempotency-Key cannot be replayed.",
-        );
-        return send_problem(out, &problem);
+        return send_problem(out, &Problem::not_replayable());
     }
     let Ok(body) = outgoing.body() else {
         return;
@@ -149,109 +148,17 @@ fn respond(out: ResponseOutparam, response: &StoredResponse, replayed: bool) {
 }
 
 fn send_problem(out: ResponseOutparam, problem: &Problem) {
-    let body = serde_json::to_vec(&problem.to_json()).unwrap_or_default();
-    let response = StoredResponse {
-        status: problem.status,
-        headers: problem.headers(),
-        body,
-    };
-    respond(out, &response, false);
-}
-
-/// The problem for an `invalid` decision, as the proxy's `invalid_problem`.
-fn invalid_problem(i: &InvalidInput) -> Problem {
-    let kind = match (i.field, i.rule) {
-        (InputField::IdemKey, _) => ProblemType::KeyInvalid,
-        (InputField::Body, InputRule::TooLong) => ProblemType::BodyTooLarge,
-        _ => ProblemType::InvalidRequest,
-    };
-    Problem::new(kind, i.message.clone())
-        .with("field", field_name(i.field))
-        .with("rule", rule_name(i.rule))
-}
-
-fn field_name(field: InputField) -> &'static str {
-    match field {
-        InputField::Scope => "scope",
-        InputField::BizType => "biz-type",
-        InputField::IdemKey => "idem-key",
-        InputField::Attributes => "attributes",
-        InputField::Body => "body",
-        InputField::Policy => "policy",
-        InputField::SuccessResult => "success-result",
-        InputField::FailureInfo => "failure-info",
-        InputField::Ticket => "ticket",
-    }
-}
-
-fn rule_name(rule: InputRule) -> &'static str {
-    match rule {
-        InputRule::Required => "required",
-        InputRule::TooShort => "too-short",
-        InputRule::TooLong => "too-long",
-        InputRule::BadCharacter => "bad-character",
-        InputRule::BadFormat => "bad-format",
-        InputRule::NotJson => "not-json",
-        InputRule::OutOfRange => "out-of-range",
-    }
-}
-
-/// The problem for an engine error: 503 when the store failed, 500
-/// otherwise, as the proxy's `engine_error_problem`.
-fn engine_error_problem(e: &EngineError) -> Problem {
-    match e {
-        EngineError::Store(_) => Problem::new(
-            ProblemType::StoreUnavailable,
-            "The idempotency store did not answer and the request was not forwarded. Retry with the same Idempotency-Key.",
-        )
-        .retry_after_ms(1000),
-        _ => Problem::new(
-            ProblemType::InternalError,
-            "The idempotency engine failed and the request was not forwarded.",
-        ),
-    }
+    respond(out, &http::problem_response(problem), false);
 }
 
 /// The answer to a decision other than `execute`.
-fn answer(out: ResponseOutparam, decision: Decision) {
-    let problem = match decision {
-        Decision::Execute(_) => Problem::new(
-            ProblemType::InternalError,
-            "The request could not be completed. Retry with the same Idempotency-Key.",
-        ),
-        Decision::Replay(replayed) => match replayed.response {
-            Some(stored) => return respond(out, &stored, true),
-            None => Problem::new(
-                ProblemType::ResponseNotStored,
-                "The request with this Idempotency-Key was already processed, but its response was not kept and cannot be replayed. Do not send it again.",
-            ),
-        },
-        Decision::InProgress(busy) => Problem::new(
-            ProblemType::RequestInProgress,
-            format!(
-                "The first request with this Idempotency-Key is still being processed. Retry after {} s with the same key and request.",
-                http::retry_after_secs(busy.retry_after_ms)
-            ),
-        )
-        .retry_after_ms(busy.retry_after_ms),
-        Decision::Mismatch(_) => Problem::new(
-            ProblemType::KeyReused,
-            "This Idempotency-Key was already used with a different request (method, path or body). Use a new key for a new request.",
-        ),
-        Decision::Failed(failure) => match failure.response {
-            Some(stored) => return respond(out, &stored, true),
-            None => Problem::new(
-                ProblemType::RequestFailed,
-                "The request with this Idempotency-Key failed for good, and no response was kept. Use a new key to try again.",
-            ),
-        },
-        Decision::OutcomeUnknown(_) => Problem::new(
-            ProblemType::OutcomeUnknown,
-            "An earlier attempt with this Idempotency-Key may or may not have taken effect. It will not be executed again until the outcome is settled; do not retry it with a new key before checking whether it took effect.",
-        ),
-        Decision::Invalid(i) => invalid_problem(&i),
-    };
-    send_problem(out, &problem);
+fn answer(out: ResponseOutparam, answer: Answer<Ticket, StoredResponse>) {
+    match answer {
+        // `handle` runs an `execute` itself; one here cannot be run.
+        Answer::Execute(_) => send_problem(out, &Problem::not_completed()),
+        Answer::Replay(stored) => respond(out, &stored, true),
+        Answer::Problem(problem) => send_problem(out, &problem),
+    }
 }
 
 /// What the wrapped handler's response means for the key.
@@ -262,9 +169,9 @@ enum Outcome {
 
 impl Outcome {
     fn of(response: &StoredResponse) -> Outcome {
-        let stored =
-            http::storable(response.headers.len(), response.body.len()).then(|| response.clone());
-        match http::classify_status(response.status) {
+        let stored = idem_http::storable(response.headers.len(), response.body.len())
+            .then(|| response.clone());
+        match http::disposition(idem_http::classify_status(response.status, SERVER_ERRORS)) {
             None => Outcome::Complete(Success {
                 result_ref: None,
                 response: stored,
@@ -329,13 +236,7 @@ fn settle(ticket: &Ticket, policy: &Policy, outcome: Outcome) -> Result<Completi
 fn execute(request: IncomingRequest, out: ResponseOutparam, ticket: &Ticket, policy: &Policy) {
     let capture = ResponseCapture::new();
     let Some(param) = capture.outparam() else {
-        return send_problem(
-            out,
-            &Problem::new(
-                ProblemType::InternalError,
-                "The host gave no response slot for the handler.",
-            ),
-        );
+        return send_problem(out, &Problem::no_response_slot());
     };
     inner::handle(request, param);
     match capture.finish() {
@@ -357,14 +258,7 @@ fn execute(request: IncomingRequest, out: ResponseOutparam, ticket: &Ticket, pol
                 policy,
                 Outcome::Fail(failure, Disposition::OutcomeUnknown),
             );
-            send_problem(
-                out,
-                &Problem::new(
-                    ProblemType::OutcomeUnknown,
-                    "The handler gave no complete response; the request may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-                )
-                .with_status(500),
-            );
+            send_problem(out, &Problem::handler_incomplete());
         }
     }
 }
@@ -381,101 +275,49 @@ fn truncate(text: &str, max: usize) -> String {
 impl HandlerGuest for Component {
     fn handle(request: IncomingRequest, out: ResponseOutparam) {
         let method = method_name(&request.method());
-        if http::is_safe_method(&method) {
+        if idem_http::is_safe_method(&method) {
             return inner::handle(request, out);
         }
         // The headers are a child of the request: read them, then let them
         // go before the request is handed on.
         let headers = request.headers().entries();
-        let keys = values(&headers, http::IDEMPOTENCY_KEY);
+        let keys = values(&headers, idem_http::IDEMPOTENCY_KEY);
         let key = match keys.as_slice() {
-            [] if http::key_required(&method) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::KeyMissing,
-                        format!(
-                            "{method} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it."
-                        ),
-                    ),
-                );
-            }
-            [] => return inner::handle(request, out),
-            [value] => match http::parse_idempotency_key(value) {
-                Ok(key) => key,
-                Err(e) => {
-                    return send_problem(
-                        out,
-                        &Problem::new(
-                            ProblemType::KeyInvalid,
-                            format!(
-                                "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
-                            ),
-                        ),
-                    );
+            [] => match idem_http::key_requirement(&method, None, POST_PATCH_KEY) {
+                KeyRequirement::Required => {
+                    return send_problem(out, &Problem::key_missing(&method));
                 }
+                KeyRequirement::Optional => return inner::handle(request, out),
             },
-            _ => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::KeyInvalid,
-                        "Several Idempotency-Key headers were sent. Send exactly one.",
-                    ),
-                );
-            }
+            [value] => match idem_http::parse_idempotency_key(value) {
+                Ok(key) => key,
+                Err(e) => return send_problem(out, &Problem::key_invalid(&e)),
+            },
+            _ => return send_problem(out, &Problem::several_keys()),
         };
-        let scope = match http::scope(&values(&headers, "authorization"), ANONYMOUS) {
+        // No scope header is configured, and `wasi:http` gives no peer
+        // address.
+        let scope = match idem_http::derive_scope(
+            None,
+            &values(&headers, "authorization"),
+            ANONYMOUS,
+            None::<idem_http::NoPeerAddress>,
+        ) {
             Ok(scope) => scope,
-            Err(e @ http::ScopeError::RepeatedAuthorization) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::InvalidRequest,
-                        format!("{e}. Send it once, as printable text."),
-                    )
-                    .with("field", "scope"),
-                );
-            }
-            Err(http::ScopeError::Unidentified) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::ClientUnidentified,
-                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send an Authorization header, then retry with the same Idempotency-Key: nothing was stored.",
-                    ),
-                );
-            }
+            Err(e) => return send_problem(out, &Problem::scope(&e, None)),
         };
         let body = match http_bridge::request_body(&request) {
             Ok(body) => body,
             Err(BodyError::TooLarge(limit)) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::BodyTooLarge,
-                        format!(
-                            "The request body is over the limit of {limit} bytes. Send a smaller body."
-                        ),
-                    )
-                    .with("max_body_bytes", limit),
-                );
+                return send_problem(out, &Problem::body_too_large(limit));
             }
             Err(BodyError::Unreadable(_)) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::InvalidRequest,
-                        "The request body could not be read completely. Send it again with the same Idempotency-Key.",
-                    ),
-                );
+                return send_problem(out, &Problem::body_unreadable());
             }
         };
-        let content_type = values(&headers, "content-type");
-        let kind = http::body_kind(match content_type.as_slice() {
-            [one] => Some(one),
-            _ => None,
-        });
+        // The first Content-Type, as the proxy reads it.
+        let content_type = values(&headers, "content-type").first().copied();
+        let kind = http::body_kind(idem_http::body_kind(content_type));
         let path = request.path_with_query().unwrap_or_else(|| "/".into());
         let policy = policy();
         let begin = BeginRequest {
@@ -489,10 +331,13 @@ impl HandlerGuest for Component {
             body,
             policy: policy.clone(),
         };
-        match machine::begin(&Imports, &begin) {
-            Ok(Decision::Execute(ticket)) => execute(request, out, &ticket, &policy),
-            Ok(decision) => answer(out, decision),
-            Err(e) => send_problem(out, &engine_error_problem(&e)),
+        match machine::begin(&Imports, &begin).map(|d| idem_http::answer(http::decision(d))) {
+            Ok(Answer::Execute(ticket)) => execute(request, out, &ticket, &policy),
+            Ok(other) => answer(out, other),
+            Err(e) => send_problem(
+                out,
+                &idem_http::engine_error_problem(http::engine_failure(&e)),
+            ),
         }
     }
 }

@@ -34,7 +34,7 @@ use wasmtime_wasi_http::{WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, 
 use crate::bindings::{self as idem_bindings, wit_types};
 use crate::clock::Clock;
 use crate::engine::{DEFAULT_GUEST_DEADLINE, DEFAULT_MEMORY_LIMIT, HostState};
-use crate::proxy::{Problem, ProblemType};
+use crate::proxy::Problem;
 use crate::store::Storage;
 
 /// The middleware component built from `guest/` with its `middleware`
@@ -299,8 +299,8 @@ impl ComponentServer {
     }
 }
 
-fn problem(kind: ProblemType, detail: &str) -> Response {
-    Problem::new(kind, detail).into_response()
+fn problem(problem: idem_http::Problem) -> Response {
+    Problem::from(problem).into_response()
 }
 
 async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Response {
@@ -308,21 +308,10 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
     let body = match Limited::new(body, MAX_REQUEST_BODY_BYTES).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            return Problem::new(
-                ProblemType::BodyTooLarge,
-                format!(
-                    "The request body is over the limit of {MAX_REQUEST_BODY_BYTES} bytes. Send a smaller body."
-                ),
-            )
-            .with("max_body_bytes", MAX_REQUEST_BODY_BYTES)
-            .into_response();
+            let limit = u64::try_from(MAX_REQUEST_BODY_BYTES).unwrap_or(u64::MAX);
+            return problem(idem_http::Problem::body_too_large(limit));
         }
-        Err(_) => {
-            return problem(
-                ProblemType::InvalidRequest,
-                "The request body could not be read completely. Send it again with the same Idempotency-Key.",
-            );
-        }
+        Err(_) => return problem(idem_http::Problem::body_unreadable()),
     };
     if !parts.headers.contains_key(header::HOST) {
         parts
@@ -333,10 +322,7 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
         Ok(response) => response,
         Err(e) => {
             tracing::error!(error = %e, "the component failed");
-            problem(
-                ProblemType::InternalError,
-                "The component failed and gave no response. Retry with the same Idempotency-Key.",
-            )
+            problem(idem_http::Problem::component_failed())
         }
     }
 }

@@ -61,7 +61,7 @@ use crate::api::{BeginRequest, BodyKind, Completion, Decision, Disposition, Exte
 use crate::api::{InputField, InputRule, InvalidInput, Policy, Ticket};
 use crate::engine::{Engine, Error};
 use crate::store::Storage;
-use crate::types::{Failure, RecordKey, Success};
+use crate::types::{Failure, RecordKey, StoredResponse, Success};
 use forward::{BufferedResponse, Upstream};
 
 /// Why the proxy could not be built or could not serve.
@@ -281,60 +281,74 @@ pub async fn serve(
     serve_with(listener, router, ServeOptions::default(), shutdown).await
 }
 
-/// The body kind for the fingerprint: JSON for `application/json` and
-/// `*/*+json`, raw otherwise.
+/// The body kind for the fingerprint, from the (first) `Content-Type`:
+/// JSON for `application/json` and `*/*+json`, raw otherwise
+/// ([`idem_http::body_kind`]).
 pub fn body_kind(headers: &HeaderMap) -> BodyKind {
-    let Some(value) = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-    else {
-        return BodyKind::Raw;
-    };
-    let essence = value
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    let json = essence == "application/json"
-        || essence
-            .split_once('/')
-            .is_some_and(|(t, sub)| !t.is_empty() && sub.len() > 5 && sub.ends_with("+json"));
-    if json { BodyKind::Json } else { BodyKind::Raw }
+    let content_type = headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes());
+    match idem_http::body_kind(content_type) {
+        idem_http::BodyKind::Json => BodyKind::Json,
+        idem_http::BodyKind::Raw => BodyKind::Raw,
+    }
 }
 
-/// The problem for an `invalid` decision: `key-invalid` for the key,
-/// `body-too-large` (413) for a body over the limit, `invalid-request`
-/// otherwise; the engine's message is the detail.
+/// The problem for an `invalid` decision ([`idem_http::invalid_problem`]):
+/// `key-invalid` for the key, `body-too-large` (413) for a body over the
+/// limit, `invalid-request` otherwise; the engine's message is the detail.
 pub fn invalid_problem(i: &InvalidInput) -> Problem {
-    let kind = match (i.field, i.rule) {
-        (InputField::IdemKey, _) => ProblemType::KeyInvalid,
-        (InputField::Body, InputRule::TooLong) => ProblemType::BodyTooLarge,
-        _ => ProblemType::InvalidRequest,
-    };
-    let mut p = Problem::new(kind, i.message.clone());
-    if let Ok(field) = serde_json::to_value(i.field) {
-        p = p.with("field", field);
-    }
-    if let Ok(rule) = serde_json::to_value(i.rule) {
-        p = p.with("rule", rule);
-    }
-    p
+    idem_http::invalid_problem(&invalid(i.clone())).into()
 }
 
-/// The problem for an engine error: 503 with `Retry-After: 1` when the
-/// store failed, 500 otherwise.
+/// The problem for an engine error ([`idem_http::engine_error_problem`]):
+/// 503 with `Retry-After: 1` when the store failed, 500 otherwise.
 pub fn engine_error_problem(e: &Error) -> Problem {
-    match e {
-        Error::Store(_) => Problem::new(
-            ProblemType::StoreUnavailable,
-            "The idempotency store did not answer and the request was not forwarded. Retry with the same Idempotency-Key.",
-        )
-        .retry_after_ms(1000),
-        _ => Problem::new(
-            ProblemType::InternalError,
-            "The idempotency engine failed and the request was not forwarded.",
-        ),
+    let failure = match e {
+        Error::Store(_) => idem_http::EngineFailure::Store,
+        _ => idem_http::EngineFailure::Other,
+    };
+    idem_http::engine_error_problem(failure).into()
+}
+
+/// The engine's decision in `idem_http`'s terms, to be answered by
+/// [`idem_http::answer`].
+fn http_decision(decision: Decision) -> idem_http::Decision<Ticket, StoredResponse> {
+    match decision {
+        Decision::Execute(ticket) => idem_http::Decision::Execute(ticket),
+        Decision::Replay(replayed) => idem_http::Decision::Replay(replayed.response),
+        Decision::InProgress(busy) => idem_http::Decision::InProgress {
+            retry_after_ms: busy.retry_after_ms,
+        },
+        Decision::Mismatch(_) => idem_http::Decision::Mismatch,
+        Decision::Failed(failure) => idem_http::Decision::Failed(failure.response),
+        Decision::OutcomeUnknown(_) => idem_http::Decision::OutcomeUnknown,
+        Decision::Invalid(i) => idem_http::Decision::Invalid(invalid(i)),
+    }
+}
+
+fn invalid(i: InvalidInput) -> idem_http::Invalid {
+    use idem_http::{Field, Rule};
+    idem_http::Invalid {
+        field: match i.field {
+            InputField::Scope => Field::Scope,
+            InputField::BizType => Field::BizType,
+            InputField::IdemKey => Field::IdemKey,
+            InputField::Attributes => Field::Attributes,
+            InputField::Body => Field::Body,
+            InputField::Policy => Field::Policy,
+            InputField::SuccessResult => Field::SuccessResult,
+            InputField::FailureInfo => Field::FailureInfo,
+            InputField::Ticket => Field::Ticket,
+        },
+        rule: match i.rule {
+            InputRule::Required => Rule::Required,
+            InputRule::TooShort => Rule::TooShort,
+            InputRule::TooLong => Rule::TooLong,
+            InputRule::BadCharacter => Rule::BadCharacter,
+            InputRule::BadFormat => Rule::BadFormat,
+            InputRule::NotJson => Rule::NotJson,
+            InputRule::OutOfRange => Rule::OutOfRange,
+        },
+        message: i.message,
     }
 }
 
@@ -401,11 +415,7 @@ async fn handle(State(inner): State<Arc<Inner>>, request: Request) -> Response {
         Ok(response) => response,
         Err(e) => {
             tracing::error!(error = %e, "a request task failed");
-            Problem::new(
-                ProblemType::InternalError,
-                "The request could not be completed. Retry with the same Idempotency-Key.",
-            )
-            .into_response()
+            Problem::from(idem_http::Problem::not_completed()).into_response()
         }
     }
 }
@@ -428,42 +438,21 @@ impl Inner {
     }
 
     /// A refusal made by the proxy before asking the engine.
-    fn refuse(&self, problem: Problem) -> Response {
+    fn refuse(&self, problem: impl Into<Problem>) -> Response {
+        let problem = problem.into();
         self.metrics.request("invalid");
         tracing::info!(problem = problem.kind.slug(), "request refused");
         problem.into_response()
     }
 
     /// The answer to a request whose scope could not be derived.
-    fn scope_problem(&self, e: &ScopeError) -> Problem {
-        match e {
-            ScopeError::Repeated(_) | ScopeError::NotText(_) => Problem::new(
-                ProblemType::InvalidRequest,
-                format!("{e}. Send it once, as printable text."),
-            )
-            .with("field", "scope"),
-            ScopeError::Unidentified => {
-                let how = match &self.config.scope_header {
-                    Some(name) => format!("an Authorization header or the {name} header"),
-                    None => "an Authorization header".to_owned(),
-                };
-                Problem::new(
-                    ProblemType::ClientUnidentified,
-                    format!(
-                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send {how}, then retry with the same Idempotency-Key: nothing was stored."
-                    ),
-                )
-            }
-            ScopeError::NoClientAddress => {
-                tracing::error!(
-                    "anonymous = \"client-address\", but the request carries no connection address; serve the router with serve_with or with ConnectInfo<SocketAddr>"
-                );
-                Problem::new(
-                    ProblemType::InternalError,
-                    "The proxy cannot tell this client apart from others and did not forward the request. Send an Authorization header.",
-                )
-            }
+    fn scope_problem(&self, e: &ScopeError) -> idem_http::Problem {
+        if let ScopeError::NoClientAddress = e {
+            tracing::error!(
+                "anonymous = \"client-address\", but the request carries no connection address; serve the router with serve_with or with ConnectInfo<SocketAddr>"
+            );
         }
+        idem_http::Problem::scope(e, self.config.scope_header.as_deref())
     }
 
     /// Forwards a request that stores nothing.
@@ -477,20 +466,15 @@ impl Inner {
             Ok(response) => response,
             Err(e) => {
                 tracing::warn!(error = %e, method = %parts.method, "upstream call failed");
-                match e {
-                    UpstreamError::Timeout => Problem::new(
-                        ProblemType::UpstreamTimeout,
-                        format!(
-                            "The upstream did not answer within {} ms.",
-                            self.config.upstream_timeout_ms
-                        ),
-                    ),
-                    UpstreamError::NotSent(_) | UpstreamError::Failed(_) => Problem::new(
-                        ProblemType::UpstreamUnavailable,
-                        "The upstream could not be reached. Retry later.",
-                    ),
-                }
-                .into_response()
+                let problem = match e {
+                    UpstreamError::Timeout => {
+                        idem_http::Problem::passthrough_timeout(self.config.upstream_timeout_ms)
+                    }
+                    UpstreamError::NotSent(_) | UpstreamError::Failed(_) => {
+                        idem_http::Problem::passthrough_unavailable()
+                    }
+                };
+                Problem::from(problem).into_response()
             }
         }
     }
@@ -502,32 +486,14 @@ impl Inner {
             (None, _) => match route.key_requirement(request.method()) {
                 KeyRequirement::Optional => return self.passthrough(request).await,
                 KeyRequirement::Required => {
-                    return self.refuse(Problem::new(
-                        ProblemType::KeyMissing,
-                        format!(
-                            "{} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it.",
-                            request.method()
-                        ),
-                    ));
+                    return self.refuse(idem_http::Problem::key_missing(request.method().as_str()));
                 }
             },
             (Some(value), None) => match parse_idempotency_key(value) {
                 Ok(key) => key,
-                Err(e) => {
-                    return self.refuse(Problem::new(
-                        ProblemType::KeyInvalid,
-                        format!(
-                            "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
-                        ),
-                    ));
-                }
+                Err(e) => return self.refuse(idem_http::Problem::key_invalid(&e)),
             },
-            (Some(_), Some(_)) => {
-                return self.refuse(Problem::new(
-                    ProblemType::KeyInvalid,
-                    "Several Idempotency-Key headers were sent. Send exactly one.",
-                ));
-            }
+            (Some(_), Some(_)) => return self.refuse(idem_http::Problem::several_keys()),
         };
         let client = request
             .extensions()
@@ -549,15 +515,7 @@ impl Inner {
         let (parts, mut body) = request.into_parts();
         let limit = self.config.max_body_bytes;
         let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-        let too_large = || {
-            Problem::new(
-                ProblemType::BodyTooLarge,
-                format!(
-                    "The request body is over the limit of {limit} bytes. Send a smaller body."
-                ),
-            )
-            .with("max_body_bytes", limit)
-        };
+        let too_large = || idem_http::Problem::body_too_large(u64::from(limit));
         let declared = parts
             .headers
             .get(header::CONTENT_LENGTH)
@@ -575,12 +533,8 @@ impl Inner {
         let Ok(read) = read.await else {
             // A body that stops before its Content-Length (or trickles):
             // nothing was asked of the engine, nothing is stored.
-            let mut response = self.refuse(Problem::new(
-                ProblemType::RequestTimeout,
-                format!(
-                    "The request body did not arrive within {} ms. Send it again, whole, with the same Idempotency-Key.",
-                    body_timeout.as_millis()
-                ),
+            let mut response = self.refuse(idem_http::Problem::body_timeout(
+                self.config.body_read_timeout_ms,
             ));
             response
                 .headers_mut()
@@ -597,10 +551,7 @@ impl Inner {
             }
             Err(e) => {
                 tracing::info!(error = %e, "the request body could not be read");
-                return self.refuse(Problem::new(
-                    ProblemType::InvalidRequest,
-                    "The request body could not be read completely. Send it again with the same Idempotency-Key.",
-                ));
+                return self.refuse(idem_http::Problem::body_unreadable());
             }
         };
 
@@ -630,63 +581,25 @@ impl Inner {
         };
         self.metrics.request(decision.name());
         tracing::info!(decision = decision.name(), "decided");
-        match decision {
-            Decision::Execute(ticket) => self.execute(parts, bytes, ticket, &route).await,
-            Decision::Replay(replayed) => match replayed.response {
-                Some(stored) => self.replay(&stored),
-                None => Problem::new(
-                    ProblemType::ResponseNotStored,
-                    "The request with this Idempotency-Key was already processed, but its response was not kept and cannot be replayed. Do not send it again.",
-                )
-                .into_response(),
-            },
-            Decision::InProgress(busy) => Problem::new(
-                ProblemType::RequestInProgress,
-                format!(
-                    "The first request with this Idempotency-Key is still being processed. Retry after {} s with the same key and request.",
-                    problem::retry_after_secs(busy.retry_after_ms)
-                ),
-            )
-            .retry_after_ms(busy.retry_after_ms)
-            .into_response(),
-            Decision::Mismatch(_) => {
-                self.metrics.mismatch();
-                Problem::new(
-                    ProblemType::KeyReused,
-                    "This Idempotency-Key was already used with a different request (method, path or body). Use a new key for a new request.",
-                )
-                .into_response()
-            }
-            Decision::Failed(failure) => match failure.response {
-                Some(stored) => self.replay(&stored),
-                None => Problem::new(
-                    ProblemType::RequestFailed,
-                    "The request with this Idempotency-Key failed for good, and no response was kept. Use a new key to try again.",
-                )
-                .into_response(),
-            },
-            Decision::OutcomeUnknown(_) => Problem::new(
-                ProblemType::OutcomeUnknown,
-                "An earlier attempt with this Idempotency-Key may or may not have taken effect. It will not be executed again until the outcome is settled; do not retry it with a new key before checking whether it took effect.",
-            )
-            .into_response(),
-            Decision::Invalid(i) => invalid_problem(&i).into_response(),
+        if let Decision::Mismatch(_) = decision {
+            self.metrics.mismatch();
+        }
+        match idem_http::answer(http_decision(decision)) {
+            idem_http::Answer::Execute(ticket) => self.execute(parts, bytes, ticket, &route).await,
+            idem_http::Answer::Replay(stored) => self.replay(&stored),
+            idem_http::Answer::Problem(problem) => Problem::from(problem).into_response(),
         }
     }
 
     /// An answer served from the store.
-    fn replay(&self, stored: &crate::types::StoredResponse) -> Response {
+    fn replay(&self, stored: &StoredResponse) -> Response {
         self.metrics.replay();
         forward::from_stored(stored, true).unwrap_or_else(|| {
             tracing::error!(
                 status = stored.status,
                 "a stored response has an invalid status"
             );
-            Problem::new(
-                ProblemType::InternalError,
-                "The stored response for this Idempotency-Key cannot be replayed.",
-            )
-            .into_response()
+            Problem::from(idem_http::Problem::not_replayable()).into_response()
         })
     }
 
@@ -735,28 +648,14 @@ impl Inner {
                 };
                 self.settle(&ticket, policy, Outcome::Fail(failure, disposition))
                     .await;
-                match e {
-                    UpstreamError::NotSent(_) => Problem::new(
-                        ProblemType::UpstreamUnavailable,
-                        "The upstream could not be reached and the request was not sent. Retry with the same Idempotency-Key.",
-                    )
-                    .into_response(),
-                    UpstreamError::Timeout => Problem::new(
-                        ProblemType::OutcomeUnknown,
-                        format!(
-                            "The upstream did not answer within {} ms; the request may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-                            self.config.upstream_timeout_ms
-                        ),
-                    )
-                    .with_status(http::StatusCode::GATEWAY_TIMEOUT)
-                    .into_response(),
-                    UpstreamError::Failed(_) => Problem::new(
-                        ProblemType::OutcomeUnknown,
-                        "The connection to the upstream failed after the request was sent; it may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-                    )
-                    .with_status(http::StatusCode::GATEWAY_TIMEOUT)
-                    .into_response(),
-                }
+                let problem = match e {
+                    UpstreamError::NotSent(_) => idem_http::Problem::upstream_not_sent(),
+                    UpstreamError::Timeout => {
+                        idem_http::Problem::upstream_timed_out(self.config.upstream_timeout_ms)
+                    }
+                    UpstreamError::Failed(_) => idem_http::Problem::upstream_failed(),
+                };
+                Problem::from(problem).into_response()
             }
         }
     }
@@ -778,12 +677,12 @@ impl Inner {
             );
             None
         };
-        let outcome = match classify_status(response.status, server_errors) {
-            Verdict::Complete => Outcome::Complete(Success {
+        let outcome = match forward::disposition(classify_status(response.status, server_errors)) {
+            None => Outcome::Complete(Success {
                 result_ref: None,
                 response: stored,
             }),
-            Verdict::Fail(disposition) => Outcome::Fail(
+            Some(disposition) => Outcome::Fail(
                 Failure {
                     code: format!("http-{}", response.status.as_u16()),
                     message: format!("the upstream answered {}", response.status),
@@ -922,16 +821,27 @@ mod tests {
     }
 
     #[test]
-    fn json_content_types_are_fingerprinted_as_json() {
+    fn the_first_content_type_decides_the_body_kind() {
         assert_eq!(kind("application/json"), BodyKind::Json);
-        assert_eq!(kind("Application/JSON; charset=utf-8"), BodyKind::Json);
-        assert_eq!(kind("application/merge-patch+json"), BodyKind::Json);
-        assert_eq!(kind("application/problem+json"), BodyKind::Json);
+        assert_eq!(
+            kind("application/merge-patch+json; charset=utf-8"),
+            BodyKind::Json
+        );
         assert_eq!(kind("text/plain"), BodyKind::Raw);
-        assert_eq!(kind("application/jsonx"), BodyKind::Raw);
-        assert_eq!(kind("application/+json"), BodyKind::Raw);
-        assert_eq!(kind("+json"), BodyKind::Raw);
         assert_eq!(body_kind(&HeaderMap::new()), BodyKind::Raw);
+        let mut h = HeaderMap::new();
+        h.append(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.append(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        assert_eq!(body_kind(&h), BodyKind::Json);
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_bytes(b"application/json\xff").unwrap(),
+        );
+        assert_eq!(body_kind(&h), BodyKind::Raw);
     }
 
     #[test]
@@ -943,7 +853,7 @@ mod tests {
         };
         let p = invalid_problem(&key);
         assert_eq!(p.kind, ProblemType::KeyInvalid);
-        assert_eq!(p.status.as_u16(), 400);
+        assert_eq!(p.status, 400);
         let v = p.to_json();
         assert_eq!(v["field"], "idem-key");
         assert_eq!(v["rule"], "too-long");
@@ -954,28 +864,103 @@ mod tests {
             rule: InputRule::TooLong,
             message: "body is too long".into(),
         };
-        assert_eq!(invalid_problem(&body).status.as_u16(), 413);
-        let json = InvalidInput {
-            field: InputField::Body,
-            rule: InputRule::NotJson,
-            message: "body is not json".into(),
+        assert_eq!(invalid_problem(&body).status, 413);
+    }
+
+    /// The names the problem's `field` and `rule` members carry are the
+    /// engine's (its serde names).
+    #[test]
+    fn field_and_rule_names_are_the_engines() {
+        use InputField as F;
+        use InputRule as R;
+        let fields = [
+            F::Scope,
+            F::BizType,
+            F::IdemKey,
+            F::Attributes,
+            F::Body,
+            F::Policy,
+            F::SuccessResult,
+            F::FailureInfo,
+            F::Ticket,
+        ];
+        let rules = [
+            R::Required,
+            R::TooShort,
+            R::TooLong,
+            R::BadCharacter,
+            R::BadFormat,
+            R::NotJson,
+            R::OutOfRange,
+        ];
+        for field in fields {
+            for rule in rules {
+                let i = invalid(InvalidInput {
+                    field,
+                    rule,
+                    message: String::new(),
+                });
+                assert_eq!(serde_json::to_value(field).unwrap(), i.field.name());
+                assert_eq!(serde_json::to_value(rule).unwrap(), i.rule.name());
+            }
+        }
+    }
+
+    #[test]
+    fn decisions_convert_one_to_one() {
+        use crate::api::{Busy, MismatchInfo, Replayed, UnknownInfo};
+        let stored = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: b"done".to_vec(),
         };
-        let p = invalid_problem(&json);
-        assert_eq!(p.kind, ProblemType::InvalidRequest);
-        assert_eq!(p.status.as_u16(), 400);
-        assert_eq!(p.to_json()["rule"], "not-json");
+        let replay = Decision::Replay(Replayed {
+            result_ref: None,
+            response: Some(stored.clone()),
+            completed_at: 0,
+        });
+        assert_eq!(
+            http_decision(replay),
+            idem_http::Decision::Replay(Some(stored.clone()))
+        );
+        assert_eq!(
+            http_decision(Decision::InProgress(Busy {
+                retry_after_ms: 250,
+                lease_until: 9,
+            })),
+            idem_http::Decision::InProgress {
+                retry_after_ms: 250
+            }
+        );
+        let failed = Decision::Failed(Failure {
+            code: "http-400".into(),
+            message: "m".into(),
+            response: None,
+        });
+        assert_eq!(http_decision(failed), idem_http::Decision::Failed(None));
+        let mismatch = Decision::Mismatch(MismatchInfo {
+            stored_prefix: "0123abcd".into(),
+            stored_version: 2,
+        });
+        assert_eq!(http_decision(mismatch), idem_http::Decision::Mismatch);
+        let unknown = Decision::OutcomeUnknown(UnknownInfo {
+            since: 0,
+            attempts: 1,
+            failure: None,
+        });
+        assert_eq!(http_decision(unknown), idem_http::Decision::OutcomeUnknown);
     }
 
     #[test]
     fn engine_errors_map_to_503_or_500() {
         let store =
             engine_error_problem(&Error::Store(crate::StoreError::Unavailable("down".into())));
-        assert_eq!(store.status.as_u16(), 503);
+        assert_eq!(store.status, 503);
         assert_eq!(store.retry_after_secs, Some(1));
         // The store's message is not echoed.
         assert!(!store.to_json().to_string().contains("down"));
         let trap = engine_error_problem(&Error::Trap("boom".into()));
-        assert_eq!(trap.status.as_u16(), 500);
+        assert_eq!(trap.status, 500);
     }
 
     #[test]
