@@ -13,6 +13,8 @@ fn main() {
         "tests/guests/misbehaving/Cargo.toml",
         "guest/src",
         "guest/Cargo.toml",
+        "guest/http/src",
+        "guest/http/Cargo.toml",
     ];
     idem_build::build_component(
         &root,

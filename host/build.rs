@@ -12,7 +12,13 @@ fn main() {
     let root = manifest_dir
         .parent()
         .expect("the host crate sits in the workspace");
-    let watch = ["guest/src", "guest/Cargo.toml"];
+    // The guest and the HTTP rules it compiles in (`guest/http`).
+    let watch = [
+        "guest/src",
+        "guest/Cargo.toml",
+        "guest/http/src",
+        "guest/http/Cargo.toml",
+    ];
     idem_build::build_component(root, "idem-guest", "idem_guest", &[], "idem_guest", &watch);
     if env::var_os("CARGO_FEATURE_MIDDLEWARE").is_some() {
         // The same crate with the `middleware` world: the same target

@@ -522,8 +522,8 @@ impl ComponentServer {
     }
 }
 
-fn problem(kind: ProblemType, detail: &str) -> Response {
-    Problem::new(kind, detail).into_response()
+fn problem(problem: idem_http::Problem) -> Response {
+    Problem::from(problem).into_response()
 }
 
 /// What the bridge's `route` answers for a request to `method` and `path`.
@@ -554,21 +554,10 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
     let body = match Limited::new(body, MAX_REQUEST_BODY_BYTES).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            return Problem::new(
-                ProblemType::BodyTooLarge,
-                format!(
-                    "The request body is over the limit of {MAX_REQUEST_BODY_BYTES} bytes. Send a smaller body."
-                ),
-            )
-            .with("max_body_bytes", MAX_REQUEST_BODY_BYTES)
-            .into_response();
+            let limit = u64::try_from(MAX_REQUEST_BODY_BYTES).unwrap_or(u64::MAX);
+            return problem(idem_http::Problem::body_too_large(limit));
         }
-        Err(_) => {
-            return problem(
-                ProblemType::InvalidRequest,
-                "The request body could not be read completely. Send it again with the same Idempotency-Key.",
-            );
-        }
+        Err(_) => return problem(idem_http::Problem::body_unreadable()),
     };
     if !parts.headers.contains_key(header::HOST) {
         parts
@@ -595,18 +584,19 @@ fn failure_problem(inner: &Inner, e: &wasmtime::Error) -> Response {
                 deadline_ms = limit.as_millis(),
                 "the component ran past its deadline and was stopped"
             );
-            Problem::new(
-                ProblemType::InternalError,
-                format!(
-                    "The component ran past its deadline of {} ms and was stopped. Retry with the same Idempotency-Key.",
-                    limit.as_millis()
+            problem(
+                idem_http::Problem::new(
+                    ProblemType::InternalError,
+                    format!(
+                        "The component ran past its deadline of {} ms and was stopped. Retry with the same Idempotency-Key.",
+                        limit.as_millis()
+                    ),
+                )
+                .with(
+                    "guest_deadline_ms",
+                    u64::try_from(inner.bounds.deadline.as_millis()).unwrap_or(u64::MAX),
                 ),
             )
-            .with(
-                "guest_deadline_ms",
-                u64::try_from(inner.bounds.deadline.as_millis()).unwrap_or(u64::MAX),
-            )
-            .into_response()
         }
         Some(Stopped::Memory { limit, requested }) => {
             tracing::error!(
@@ -614,21 +604,19 @@ fn failure_problem(inner: &Inner, e: &wasmtime::Error) -> Response {
                 requested,
                 "the component needed more than its memory limit and was stopped"
             );
-            Problem::new(
-                ProblemType::InternalError,
-                format!(
-                    "The component needed more than its memory limit of {limit} bytes and was stopped. Retry with the same Idempotency-Key."
-                ),
+            problem(
+                idem_http::Problem::new(
+                    ProblemType::InternalError,
+                    format!(
+                        "The component needed more than its memory limit of {limit} bytes and was stopped. Retry with the same Idempotency-Key."
+                    ),
+                )
+                .with("guest_memory_bytes", limit),
             )
-            .with("guest_memory_bytes", limit)
-            .into_response()
         }
         None => {
             tracing::error!(error = %e, "the component failed");
-            problem(
-                ProblemType::InternalError,
-                "The component failed and gave no response. Retry with the same Idempotency-Key.",
-            )
+            problem(idem_http::Problem::component_failed())
         }
     }
 }

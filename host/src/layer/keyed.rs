@@ -18,11 +18,10 @@ use super::{BoxError, Claim, InnerFailure, Shared};
 use crate::api::{BeginRequest, Completion, Decision, Disposition, Extension, Policy, Ticket};
 use crate::engine::{Engine, Error};
 use crate::proxy::config::is_safe_method;
-use crate::proxy::forward::from_stored;
+use crate::proxy::forward::{disposition, from_stored};
 use crate::proxy::{
-    IDEMPOTENCY_KEY, KeyRequirement, Metrics, Problem, ProblemType, Route, ScopeError,
-    ServerErrors, Verdict, body_kind, classify_status, derive_scope, engine_error_problem,
-    invalid_problem, parse_idempotency_key, problem,
+    IDEMPOTENCY_KEY, KeyRequirement, Metrics, Problem, Route, ScopeError, ServerErrors, body_kind,
+    classify_status, derive_scope, engine_error_problem, http_decision, parse_idempotency_key,
 };
 use crate::types::{Failure, RecordKey, StoredResponse, Success};
 
@@ -73,11 +72,7 @@ where
         Ok(response) => response,
         Err(e) => {
             tracing::error!(error = %e, "a request task failed");
-            Problem::new(
-                ProblemType::InternalError,
-                "The request could not be completed. Retry with the same Idempotency-Key.",
-            )
-            .into_response()
+            Problem::from(idem_http::Problem::not_completed()).into_response()
         }
     }
 }
@@ -116,59 +111,33 @@ impl Shared {
     }
 
     /// A refusal made before asking the engine.
-    fn refuse(&self, problem: Problem) -> Response<Body> {
+    fn refuse(&self, problem: impl Into<Problem>) -> Response<Body> {
+        let problem = problem.into();
         self.metrics.request("invalid");
         tracing::info!(problem = problem.kind.slug(), "request refused");
         problem.into_response()
     }
 
     /// The answer to a request whose scope could not be derived.
-    fn scope_problem(&self, e: &ScopeError) -> Problem {
-        match e {
-            ScopeError::Repeated(_) | ScopeError::NotText(_) => Problem::new(
-                ProblemType::InvalidRequest,
-                format!("{e}. Send it once, as printable text."),
-            )
-            .with("field", "scope"),
-            ScopeError::Unidentified => {
-                let how = match &self.config.scope_header {
-                    Some(name) => format!("an Authorization header or the {name} header"),
-                    None => "an Authorization header".to_owned(),
-                };
-                Problem::new(
-                    ProblemType::ClientUnidentified,
-                    format!(
-                        "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send {how}, then retry with the same Idempotency-Key: nothing was stored."
-                    ),
-                )
-            }
-            ScopeError::NoClientAddress => {
-                tracing::error!(
-                    "anonymous = \"client-address\", but the request carries no connection address; serve the router with serve_with or with ConnectInfo<SocketAddr>"
-                );
-                Problem::new(
-                    ProblemType::InternalError,
-                    "The proxy cannot tell this client apart from others and did not forward the request. Send an Authorization header.",
-                )
-            }
+    fn scope_problem(&self, e: &ScopeError) -> idem_http::Problem {
+        if let ScopeError::NoClientAddress = e {
+            tracing::error!(
+                "anonymous = \"client-address\", but the request carries no connection address; serve the router with serve_with or with ConnectInfo<SocketAddr>"
+            );
         }
+        idem_http::Problem::scope(e, self.config.scope_header.as_deref())
     }
 
     /// The answer to a request the inner service failed, when it stores
     /// nothing.
-    fn passthrough_problem(&self, failure: &InnerFailure) -> Problem {
+    fn passthrough_problem(&self, failure: &InnerFailure) -> idem_http::Problem {
         match failure {
-            InnerFailure::Timeout => Problem::new(
-                ProblemType::UpstreamTimeout,
-                format!(
-                    "The upstream did not answer within {} ms.",
-                    self.config.upstream_timeout_ms
-                ),
-            ),
-            InnerFailure::NotSent(_) | InnerFailure::Failed(_) => Problem::new(
-                ProblemType::UpstreamUnavailable,
-                "The upstream could not be reached. Retry later.",
-            ),
+            InnerFailure::Timeout => {
+                idem_http::Problem::passthrough_timeout(self.config.upstream_timeout_ms)
+            }
+            InnerFailure::NotSent(_) | InnerFailure::Failed(_) => {
+                idem_http::Problem::passthrough_unavailable()
+            }
         }
     }
 
@@ -189,7 +158,7 @@ impl Shared {
             Ok(response) => response.map(Body::new),
             Err(e) => {
                 tracing::warn!(error = %e, %method, "upstream call failed");
-                self.passthrough_problem(&e).into_response()
+                Problem::from(self.passthrough_problem(&e)).into_response()
             }
         }
     }
@@ -208,32 +177,14 @@ impl Shared {
             (None, _) => match route.key_requirement(request.method()) {
                 KeyRequirement::Optional => return self.passthrough(inner, request).await,
                 KeyRequirement::Required => {
-                    return self.refuse(Problem::new(
-                        ProblemType::KeyMissing,
-                        format!(
-                            "{} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it.",
-                            request.method()
-                        ),
-                    ));
+                    return self.refuse(idem_http::Problem::key_missing(request.method().as_str()));
                 }
             },
             (Some(value), None) => match parse_idempotency_key(value) {
                 Ok(key) => key,
-                Err(e) => {
-                    return self.refuse(Problem::new(
-                        ProblemType::KeyInvalid,
-                        format!(
-                            "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
-                        ),
-                    ));
-                }
+                Err(e) => return self.refuse(idem_http::Problem::key_invalid(&e)),
             },
-            (Some(_), Some(_)) => {
-                return self.refuse(Problem::new(
-                    ProblemType::KeyInvalid,
-                    "Several Idempotency-Key headers were sent. Send exactly one.",
-                ));
-            }
+            (Some(_), Some(_)) => return self.refuse(idem_http::Problem::several_keys()),
         };
         let client = request
             .extensions()
@@ -283,47 +234,15 @@ impl Shared {
         };
         self.metrics.request(decision.name());
         tracing::info!(decision = decision.name(), "decided");
-        match decision {
-            Decision::Execute(ticket) => self.execute(inner, parts, bytes, ticket, &route).await,
-            Decision::Replay(replayed) => match replayed.response {
-                Some(stored) => self.replay(&stored),
-                None => Problem::new(
-                    ProblemType::ResponseNotStored,
-                    "The request with this Idempotency-Key was already processed, but its response was not kept and cannot be replayed. Do not send it again.",
-                )
-                .into_response(),
-            },
-            Decision::InProgress(busy) => Problem::new(
-                ProblemType::RequestInProgress,
-                format!(
-                    "The first request with this Idempotency-Key is still being processed. Retry after {} s with the same key and request.",
-                    problem::retry_after_secs(busy.retry_after_ms)
-                ),
-            )
-            .retry_after_ms(busy.retry_after_ms)
-            .into_response(),
-            Decision::Mismatch(_) => {
-                self.metrics.mismatch();
-                Problem::new(
-                    ProblemType::KeyReused,
-                    "This Idempotency-Key was already used with a different request (method, path or body). Use a new key for a new request.",
-                )
-                .into_response()
+        if let Decision::Mismatch(_) = decision {
+            self.metrics.mismatch();
+        }
+        match idem_http::answer(http_decision(decision)) {
+            idem_http::Answer::Execute(ticket) => {
+                self.execute(inner, parts, bytes, ticket, &route).await
             }
-            Decision::Failed(failure) => match failure.response {
-                Some(stored) => self.replay(&stored),
-                None => Problem::new(
-                    ProblemType::RequestFailed,
-                    "The request with this Idempotency-Key failed for good, and no response was kept. Use a new key to try again.",
-                )
-                .into_response(),
-            },
-            Decision::OutcomeUnknown(_) => Problem::new(
-                ProblemType::OutcomeUnknown,
-                "An earlier attempt with this Idempotency-Key may or may not have taken effect. It will not be executed again until the outcome is settled; do not retry it with a new key before checking whether it took effect.",
-            )
-            .into_response(),
-            Decision::Invalid(i) => invalid_problem(&i).into_response(),
+            idem_http::Answer::Replay(stored) => self.replay(&stored),
+            idem_http::Answer::Problem(problem) => Problem::from(problem).into_response(),
         }
     }
 
@@ -336,15 +255,7 @@ impl Shared {
     ) -> Result<Bytes, Box<Response<Body>>> {
         let limit = self.config.max_body_bytes;
         let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-        let too_large = || {
-            Problem::new(
-                ProblemType::BodyTooLarge,
-                format!(
-                    "The request body is over the limit of {limit} bytes. Send a smaller body."
-                ),
-            )
-            .with("max_body_bytes", limit)
-        };
+        let too_large = || idem_http::Problem::body_too_large(u64::from(limit));
         let declared = parts
             .headers
             .get(header::CONTENT_LENGTH)
@@ -362,12 +273,8 @@ impl Shared {
         let Ok(read) = read.await else {
             // A body that stops before its Content-Length (or trickles):
             // nothing was asked of the engine, nothing is stored.
-            let mut response = self.refuse(Problem::new(
-                ProblemType::RequestTimeout,
-                format!(
-                    "The request body did not arrive within {} ms. Send it again, whole, with the same Idempotency-Key.",
-                    body_timeout.as_millis()
-                ),
+            let mut response = self.refuse(idem_http::Problem::body_timeout(
+                u64::try_from(body_timeout.as_millis()).unwrap_or(u64::MAX),
             ));
             response
                 .headers_mut()
@@ -382,10 +289,7 @@ impl Shared {
             }
             Err(e) => {
                 tracing::info!(error = %e, "the request body could not be read");
-                Err(Box::new(self.refuse(Problem::new(
-                    ProblemType::InvalidRequest,
-                    "The request body could not be read completely. Send it again with the same Idempotency-Key.",
-                ))))
+                Err(Box::new(self.refuse(idem_http::Problem::body_unreadable())))
             }
         }
     }
@@ -398,11 +302,7 @@ impl Shared {
                 status = stored.status,
                 "a stored response has an invalid status"
             );
-            Problem::new(
-                ProblemType::InternalError,
-                "The stored response for this Idempotency-Key cannot be replayed.",
-            )
-            .into_response()
+            Problem::from(idem_http::Problem::not_replayable()).into_response()
         })
     }
 
@@ -462,32 +362,20 @@ impl Shared {
                 };
                 self.settle(&ticket, policy, Outcome::Fail(failure, e.disposition()))
                     .await;
-                self.execute_problem(&e).into_response()
+                Problem::from(self.execute_problem(&e)).into_response()
             }
         }
     }
 
     /// The answer to the caller whose claimed request the inner service
     /// failed.
-    fn execute_problem(&self, failure: &InnerFailure) -> Problem {
+    fn execute_problem(&self, failure: &InnerFailure) -> idem_http::Problem {
         match failure {
-            InnerFailure::NotSent(_) => Problem::new(
-                ProblemType::UpstreamUnavailable,
-                "The upstream could not be reached and the request was not sent. Retry with the same Idempotency-Key.",
-            ),
-            InnerFailure::Timeout => Problem::new(
-                ProblemType::OutcomeUnknown,
-                format!(
-                    "The upstream did not answer within {} ms; the request may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-                    self.config.upstream_timeout_ms
-                ),
-            )
-            .with_status(http::StatusCode::GATEWAY_TIMEOUT),
-            InnerFailure::Failed(_) => Problem::new(
-                ProblemType::OutcomeUnknown,
-                "The upstream failed after the request was sent; it may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-            )
-            .with_status(http::StatusCode::GATEWAY_TIMEOUT),
+            InnerFailure::NotSent(_) => idem_http::Problem::upstream_not_sent(),
+            InnerFailure::Timeout => {
+                idem_http::Problem::upstream_timed_out(self.config.upstream_timeout_ms)
+            }
+            InnerFailure::Failed(_) => idem_http::Problem::upstream_failed(),
         }
     }
 
@@ -538,12 +426,12 @@ fn outcome_of(response: &BufferedResponse, server_errors: ServerErrors) -> Outco
         );
         None
     };
-    match classify_status(response.status, server_errors) {
-        Verdict::Complete => Outcome::Complete(Success {
+    match disposition(classify_status(response.status, server_errors)) {
+        None => Outcome::Complete(Success {
             result_ref: None,
             response: stored,
         }),
-        Verdict::Fail(disposition) => Outcome::Fail(
+        Some(disposition) => Outcome::Fail(
             Failure {
                 code: format!("http-{}", response.status.as_u16()),
                 message: format!("the upstream answered {}", response.status),

@@ -72,52 +72,11 @@ impl ConfigError {
     }
 }
 
-/// Whether a request must carry an `Idempotency-Key` header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum KeyRequirement {
-    /// A request without a key is refused with 400 (`key-missing`).
-    Required,
-    /// A request without a key is forwarded as it is and nothing is stored.
-    Optional,
-}
-
-/// What an upstream 5xx answer means for the key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ServerErrors {
-    /// A retryable failure: not stored, the next retry executes again.
-    #[default]
-    Retry,
-    /// A final failure: stored and replayed to every duplicate.
-    Store,
-}
-
-/// What a keyed request that names no client gets: one with neither the
-/// configured `scope_header` nor an `Authorization` header (`anonymous`).
-///
-/// The scope decides whose stored responses a request may receive, so an
-/// unidentified client cannot be told apart from another one. The default
-/// fails closed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum AnonymousMode {
-    /// `"reject"`: 401 `client-unidentified`; nothing is stored and the
-    /// upstream is not called. The default: a client that sends another
-    /// client's key can never receive that client's stored response.
-    #[default]
-    Reject,
-    /// `"shared"`: the scope `anonymous`. Every unidentified client shares
-    /// one key space, so one that sends another's key gets that client's
-    /// stored response (or a 422 that tells it the key is taken).
-    Shared,
-    /// `"client-address"`: the scope `addr:<hex SHA-256 of the peer's IP
-    /// address>`, from the TCP connection only (forwarded headers such as
-    /// `X-Forwarded-For` are ignored: any client can write them). Only as
-    /// good as the address: behind a load balancer or a NAT every client
-    /// has the same one and they share a key space again.
-    ClientAddress,
-}
+/// Whether a request must carry an `Idempotency-Key` header (`key`); what
+/// an upstream 5xx means for the key (`server_errors`); what a keyed
+/// request that names no client gets (`anonymous`). The rules are
+/// `idem_http`'s, shared with the middleware component.
+pub use idem_http::{AnonymousMode, KeyRequirement, ServerErrors};
 
 /// What a duplicate does while the first request is still running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -659,12 +618,9 @@ impl ProxyConfig {
 }
 
 /// True for the methods the proxy always passes through: GET, HEAD,
-/// OPTIONS, TRACE and CONNECT.
+/// OPTIONS, TRACE and CONNECT ([`idem_http::is_safe_method`]).
 pub fn is_safe_method(method: &Method) -> bool {
-    matches!(
-        *method,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::CONNECT
-    )
+    idem_http::is_safe_method(method.as_str())
 }
 
 fn parse_route_method(text: &str) -> Result<Option<Method>, String> {
@@ -784,14 +740,7 @@ impl Route {
 
     /// Whether a request with `method` must carry an `Idempotency-Key`.
     pub fn key_requirement(&self, method: &Method) -> KeyRequirement {
-        if let Some(k) = self.key {
-            return k;
-        }
-        if *method == Method::POST || *method == Method::PATCH {
-            self.post_patch_key
-        } else {
-            KeyRequirement::Optional
-        }
+        idem_http::key_requirement(method.as_str(), self.key, self.post_patch_key)
     }
 
     fn matches(&self, method: &Method, path: &str) -> bool {

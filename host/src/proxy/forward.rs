@@ -22,15 +22,10 @@ use crate::layer::error::error_chain;
 use crate::layer::{BufferedResponse, Claim};
 use crate::types::StoredResponse;
 
-/// The largest response body the engine stores (its `MAX_RESPONSE_BODY_BYTES`).
-/// A larger upstream body is streamed to the caller and not stored.
-pub const MAX_STORED_BODY_BYTES: usize = 16 * 1024 * 1024;
-
-/// The most headers the engine stores with a response.
-pub const MAX_STORED_HEADERS: usize = 128;
+pub use idem_http::{MAX_STORED_BODY_BYTES, MAX_STORED_HEADERS, Verdict};
 
 /// The header added to every answer served from the store.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static(idem_http::IDEMPOTENT_REPLAYED);
 
 /// The longest time spent connecting to the upstream: a connection that
 /// takes longer is "not sent" (retryable), well before the request timeout.
@@ -53,32 +48,20 @@ pub enum UpstreamError {
     Failed(String),
 }
 
-/// What an upstream answer means for the key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    /// A success (1xx to 3xx): `complete` with the response.
-    Complete,
-    /// A failure with this disposition: `fail`, storing the response only
-    /// when final.
-    Fail(Disposition),
+/// What an upstream status means for the key, as
+/// [`idem_http::classify_status`] says: 1xx to 3xx complete; 408, 409,
+/// 425 and 429 are retryable; other 4xx final; 5xx retryable, or final
+/// with `server_errors = "store"`.
+pub fn classify_status(status: StatusCode, server_errors: ServerErrors) -> Verdict {
+    idem_http::classify_status(status.as_u16(), server_errors)
 }
 
-/// Maps an upstream status to what it means for the key.
-///
-/// - 1xx to 3xx: success;
-/// - 408, 409, 425, 429: retryable (the request may be repeated as is);
-/// - other 4xx: final (stored and replayed);
-/// - 5xx (and anything above): retryable, or final with
-///   `server_errors = "store"`.
-pub fn classify_status(status: StatusCode, server_errors: ServerErrors) -> Verdict {
-    match status.as_u16() {
-        100..=399 => Verdict::Complete,
-        408 | 409 | 425 | 429 => Verdict::Fail(Disposition::Retryable),
-        400..=499 => Verdict::Fail(Disposition::Final),
-        _ => match server_errors {
-            ServerErrors::Retry => Verdict::Fail(Disposition::Retryable),
-            ServerErrors::Store => Verdict::Fail(Disposition::Final),
-        },
+/// The engine's disposition for a failure verdict; `None` for a success.
+pub fn disposition(verdict: Verdict) -> Option<Disposition> {
+    match verdict {
+        Verdict::Complete => None,
+        Verdict::Final => Some(Disposition::Final),
+        Verdict::Retryable => Some(Disposition::Retryable),
     }
 }
 
@@ -127,17 +110,18 @@ pub fn to_stored(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Stored
 
 /// True when the engine can store the response whole.
 pub fn storable(headers: &HeaderMap, body_len: usize) -> bool {
-    headers.len() <= MAX_STORED_HEADERS && body_len <= MAX_STORED_BODY_BYTES
+    idem_http::storable(headers.len(), body_len)
 }
 
-/// The HTTP response for a stored one, with `Idempotent-Replayed: true`
-/// when `replayed`. `None` when the stored status is not a valid code.
+/// The HTTP response for a stored one, with the headers of
+/// [`idem_http::response_headers`] (`Idempotent-Replayed: true` when
+/// `replayed`). `None` when the stored status is not a valid code.
 pub fn from_stored(stored: &StoredResponse, replayed: bool) -> Option<Response> {
     let status = StatusCode::from_u16(stored.status).ok()?;
     let mut response = Response::new(Body::from(stored.body.clone()));
     *response.status_mut() = status;
     let headers = response.headers_mut();
-    for (name, value) in &stored.headers {
+    for (name, value) in idem_http::response_headers(&stored.headers, replayed) {
         match (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_bytes(value),
@@ -147,9 +131,6 @@ pub fn from_stored(stored: &StoredResponse, replayed: bool) -> Option<Response> 
             }
             _ => tracing::warn!("a stored response header could not be rebuilt; it is left out"),
         }
-    }
-    if replayed {
-        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
     Some(response)
 }
@@ -332,54 +313,24 @@ fn client_error(e: hyper_util::client::legacy::Error) -> UpstreamError {
 mod tests {
     use super::*;
 
-    fn verdict(code: u16) -> Verdict {
-        classify_status(StatusCode::from_u16(code).unwrap(), ServerErrors::Retry)
-    }
-
     #[test]
-    fn successes_complete() {
-        for code in [100, 200, 201, 204, 299, 301, 304, 399] {
-            assert_eq!(verdict(code), Verdict::Complete, "{code}");
+    fn statuses_are_classified_by_the_shared_rules() {
+        for code in [100, 201, 304, 408, 409, 425, 429, 400, 422, 500, 503, 599] {
+            let status = StatusCode::from_u16(code).unwrap();
+            for policy in [ServerErrors::Retry, ServerErrors::Store] {
+                assert_eq!(
+                    classify_status(status, policy),
+                    idem_http::classify_status(code, policy),
+                    "{code}"
+                );
+            }
         }
-    }
-
-    #[test]
-    fn retryable_client_errors_are_never_stored() {
-        for code in [408, 409, 425, 429] {
-            assert_eq!(
-                verdict(code),
-                Verdict::Fail(Disposition::Retryable),
-                "{code}"
-            );
-            assert_eq!(
-                classify_status(StatusCode::from_u16(code).unwrap(), ServerErrors::Store),
-                Verdict::Fail(Disposition::Retryable),
-                "{code}"
-            );
-        }
-    }
-
-    #[test]
-    fn other_client_errors_are_final() {
-        for code in [400, 401, 403, 404, 405, 410, 413, 415, 422, 451, 499] {
-            assert_eq!(verdict(code), Verdict::Fail(Disposition::Final), "{code}");
-        }
-    }
-
-    #[test]
-    fn server_errors_follow_the_policy() {
-        for code in [500, 502, 503, 504, 599] {
-            assert_eq!(
-                verdict(code),
-                Verdict::Fail(Disposition::Retryable),
-                "{code}"
-            );
-            assert_eq!(
-                classify_status(StatusCode::from_u16(code).unwrap(), ServerErrors::Store),
-                Verdict::Fail(Disposition::Final),
-                "{code}"
-            );
-        }
+        assert_eq!(disposition(Verdict::Complete), None);
+        assert_eq!(disposition(Verdict::Final), Some(Disposition::Final));
+        assert_eq!(
+            disposition(Verdict::Retryable),
+            Some(Disposition::Retryable)
+        );
     }
 
     #[test]
@@ -425,6 +376,15 @@ mod tests {
         assert_eq!(r.headers()[&IDEMPOTENT_REPLAYED], "true");
         let first = from_stored(&stored, false).unwrap();
         assert!(first.headers().get(&IDEMPOTENT_REPLAYED).is_none());
+        // A stored Idempotent-Replayed is replaced, never repeated.
+        let mut own = stored.clone();
+        own.headers
+            .push(("idempotent-replayed".to_owned(), b"false".to_vec()));
+        let r = from_stored(&own, true).unwrap();
+        let values: Vec<_> = r.headers().get_all(&IDEMPOTENT_REPLAYED).iter().collect();
+        assert_eq!(values, ["true"]);
+        let r = from_stored(&own, false).unwrap();
+        assert_eq!(r.headers()[&IDEMPOTENT_REPLAYED], "false");
         let bad = StoredResponse {
             status: 1000,
             ..stored

@@ -43,7 +43,7 @@ use tokio_util::task::TaskTracker;
 use super::ProxyError;
 use super::config::DEFAULT_HEADER_READ_TIMEOUT_MS;
 use super::framing::Framing;
-use super::problem::{Problem, ProblemType};
+use super::problem::Problem;
 
 /// How long the accept loop pauses after an error other than a client
 /// hanging up (typically: out of file descriptors). Long enough not to spin
@@ -127,12 +127,7 @@ fn lock(framing: &Mutex<Framing>) -> MutexGuard<'_, Framing> {
 
 /// The 400 for a request framed twice.
 fn conflicting_framing() -> Response {
-    let mut response = Problem::new(
-        ProblemType::InvalidRequest,
-        "The request has both Content-Length and Transfer-Encoding, which frame its body in two different ways. Send exactly one of them.",
-    )
-    .with("field", "framing")
-    .into_response();
+    let mut response = Problem::from(idem_http::Problem::conflicting_framing()).into_response();
     response
         .headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -142,15 +137,8 @@ fn conflicting_framing() -> Response {
 /// The raw 408 written when a request head is too slow: hyper has no
 /// response of its own for it.
 fn request_timeout_bytes(timeout: Duration) -> Vec<u8> {
-    let body = Problem::new(
-        ProblemType::RequestTimeout,
-        format!(
-            "The request head did not arrive within {} ms. Send the whole head at once.",
-            timeout.as_millis()
-        ),
-    )
-    .to_json()
-    .to_string();
+    let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+    let body = idem_http::Problem::head_timeout(ms).to_json().to_string();
     format!(
         "HTTP/1.1 408 Request Timeout\r\ncontent-type: {}\r\ncache-control: no-store\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n{body}",
