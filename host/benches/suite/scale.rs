@@ -28,9 +28,16 @@ fn samples(settings: &Settings) -> usize {
     if settings.smoke { 20 } else { 2_000 }
 }
 
-/// Appends records `from..to` to the table: succeeded with `fingerprint`,
+/// The bench body's fingerprint as the engine stores it: the hash and the
+/// fingerprint version it was computed with.
+struct Print {
+    hash: String,
+    version: i64,
+}
+
+/// Appends records `from..to` to the table: succeeded with `print`,
 /// expiring at `expires_at`.
-fn fill(path: &FsPath, from: u64, to: u64, fingerprint: &str, expires_at: i64) -> Result<()> {
+fn fill(path: &FsPath, from: u64, to: u64, print: &Print, expires_at: i64) -> Result<()> {
     let mut conn = Connection::open(path)?;
     conn.busy_timeout(Duration::from_secs(30))?;
     conn.execute_batch("PRAGMA synchronous = NORMAL")?;
@@ -44,15 +51,16 @@ fn fill(path: &FsPath, from: u64, to: u64, fingerprint: &str, expires_at: i64) -
                 "INSERT INTO idempotency_record (scope_key, biz_type, idem_key, request_hash, \
                  fingerprint_version, status, fencing_token, revision, attempts, created_at, \
                  updated_at, expires_at, result_ref) \
-                 VALUES ('bench', 'order.create', ?1, ?2, 1, 'succeeded', 1, 2, 1, ?3, ?3, ?4, \
+                 VALUES ('bench', 'order.create', ?1, ?2, ?5, 'succeeded', 1, 2, 1, ?3, ?3, ?4, \
                  'order-1')",
             )?;
             for i in at..end {
                 stmt.execute(params![
                     format!("fill-{i:010}"),
-                    fingerprint,
+                    print.hash,
                     now,
-                    expires_at
+                    expires_at,
+                    print.version
                 ])?;
             }
         }
@@ -81,10 +89,15 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     // One record written by the engine gives the bench body's fingerprint.
     let probe = RecordKey::new("bench", "order.create", "probe");
     engine_op(&engine, Path::NewKey, &probe)?;
-    let fingerprint: String = Connection::open(&path)?.query_row(
-        "SELECT request_hash FROM idempotency_record WHERE idem_key = 'probe'",
+    let fingerprint = Connection::open(&path)?.query_row(
+        "SELECT request_hash, fingerprint_version FROM idempotency_record WHERE idem_key = 'probe'",
         [],
-        |r| r.get(0),
+        |r| {
+            Ok(Print {
+                hash: r.get(0)?,
+                version: r.get(1)?,
+            })
+        },
     )?;
     let bare = Bare::open(&path)?;
     let n = samples(settings);
