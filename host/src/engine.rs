@@ -90,6 +90,12 @@ impl From<wit_engine::EngineError> for Error {
 pub trait ResultLookup: Send + Sync + 'static {
     /// The reference of the business result recorded under `key`.
     fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError>;
+
+    /// Whether a lookup waits on I/O; as [`Storage::blocks_on_io`]. The
+    /// default is `true`, which is always safe.
+    fn blocks_on_io(&self) -> bool {
+        true
+    }
 }
 
 impl<F> ResultLookup for F
@@ -105,6 +111,10 @@ where
 pub(crate) struct NoLookup;
 
 impl ResultLookup for NoLookup {
+    fn blocks_on_io(&self) -> bool {
+        false
+    }
+
     fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
         Err(StoreError::Internal(format!(
             "no result lookup is registered, so the result of biz type '{}' cannot be checked",
@@ -429,6 +439,13 @@ impl Engine {
             memory_limit: DEFAULT_MEMORY_LIMIT,
             guest_deadline: DEFAULT_GUEST_DEADLINE,
         }
+    }
+
+    /// Whether a call may wait on I/O: its store or its result lookup does
+    /// ([`Storage::blocks_on_io`]). Async hosts run such calls on a
+    /// blocking thread, and the others on the calling thread.
+    pub fn blocks_on_io(&self) -> bool {
+        self.shared.storage.blocks_on_io() || self.shared.results.blocks_on_io()
     }
 
     /// The clock the engine reads.

@@ -35,6 +35,9 @@ pub struct Settings {
     pub group_callers: usize,
     /// True for the CI smoke run: every part runs, with tiny counts.
     pub smoke: bool,
+    /// Another `idem` binary (an earlier build) that the proxy part
+    /// measures beside this one, in the same rounds.
+    pub compare_bin: Option<std::path::PathBuf>,
 }
 
 impl Settings {
@@ -51,6 +54,7 @@ impl Settings {
             guest_reps: 2_000,
             group_callers: 32,
             smoke: false,
+            compare_bin: None,
         }
     }
 
@@ -82,6 +86,7 @@ impl Settings {
             guest_reps: 5,
             group_callers: 4,
             smoke: true,
+            compare_bin: None,
         }
     }
 }

@@ -11,6 +11,8 @@
 //!   64 KiB bodies, one host→guest call, one instantiation;
 //! - `scale`: `begin` latency against table size, sweep throughput;
 //! - `proxy`: `idem serve` under wrk against the upstream direct;
+//! - `layer`: an axum service with `IdempotencyLayer` under wrk against the
+//!   same service without it;
 //! - `pg`: the engine on PostgreSQL against bare SQL on the same server.
 //!
 //! Every ratio pairs idem with its baseline in the same run, alternating
@@ -23,7 +25,9 @@
 //! `--path replay,new-key` the paths of the `paths` part, `--rounds 3
 //! --ops 50000` the counts of the `paths` part (long runs of one path for a
 //! profiler),
-//! `--scale 10000000` adds a table size. The table is printed and the
+//! `--scale 10000000` adds a table size, `--compare-bin PATH` has the
+//! `proxy` part measure another `idem` binary (an earlier build) in the
+//! same rounds. The table is printed and the
 //! figures are written to `target/idem-bench.json`.
 
 mod bare;
@@ -31,6 +35,7 @@ mod body;
 mod common;
 mod group;
 mod guest;
+mod layer;
 mod paths;
 #[cfg(feature = "postgres")]
 mod pg;
@@ -42,7 +47,7 @@ use anyhow::{Context, Result, bail};
 use common::{Report, Settings};
 
 /// The parts, in the order they run.
-const PARTS: [&str; 6] = ["paths", "group", "guest", "scale", "proxy", "pg"];
+const PARTS: [&str; 7] = ["paths", "group", "guest", "scale", "proxy", "layer", "pg"];
 
 fn list<T: std::str::FromStr>(value: &str, flag: &str) -> Result<Vec<T>> {
     value
@@ -61,7 +66,12 @@ fn count(value: Option<String>, flag: &str) -> Result<usize> {
 }
 
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
+    let mut args = std::env::args().skip(1).peekable();
+    if args.peek().is_some_and(|a| a == layer::SERVE_APP) {
+        // A child of the `layer` part: serve until killed.
+        args.next();
+        return layer::serve_app(args);
+    }
     let mut settings = Settings::full();
     let mut only: Option<Vec<String>> = None;
     let mut threads = None;
@@ -69,6 +79,7 @@ fn main() -> Result<()> {
     let mut rounds = None;
     let mut ops = None;
     let mut extra_sizes: Vec<u64> = Vec::new();
+    let mut compare_bin = None;
     let mut out =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
     while let Some(arg) = args.next() {
@@ -103,6 +114,9 @@ fn main() -> Result<()> {
                 extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?
             }
             "--out" => out = args.next().context("--out takes a file")?.into(),
+            "--compare-bin" => {
+                compare_bin = Some(args.next().context("--compare-bin takes a file")?.into())
+            }
             // What `cargo bench` and `cargo test` pass to every bench target.
             "--bench" | "--nocapture" => {}
             other => bail!("unknown argument {other}; see the top of host/benches/suite/main.rs"),
@@ -120,6 +134,7 @@ fn main() -> Result<()> {
     if let Some(o) = ops {
         settings.ops = o;
     }
+    settings.compare_bin = compare_bin;
     settings.scale_sizes.extend(extra_sizes);
     settings.scale_sizes.sort_unstable();
     settings.scale_sizes.dedup();
@@ -140,6 +155,7 @@ fn main() -> Result<()> {
             "guest" => guest::run(&settings, &mut report),
             "scale" => scale::run(&settings, &mut report),
             "proxy" => proxy::run(&settings, &mut report),
+            "layer" => layer::run(&settings, &mut report),
             #[cfg(feature = "postgres")]
             "pg" => pg::run(&settings, &mut report),
             _ => {

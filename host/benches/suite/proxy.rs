@@ -12,7 +12,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -60,13 +60,17 @@ function done(summary, latency, requests)
 end
 "#;
 
-struct Load {
-    rps: f64,
-    p50_us: f64,
-    p99_us: f64,
+/// What one wrk run measured.
+pub struct Load {
+    /// Requests per second.
+    pub rps: f64,
+    /// Median latency.
+    pub p50_us: f64,
+    /// 99th percentile latency.
+    pub p99_us: f64,
     /// CPU time (user + system) the measured server process used per
     /// request over the run.
-    cpu_us_per_request: f64,
+    pub cpu_us_per_request: f64,
 }
 
 /// The CPU time (user + system) process `pid` has used so far, in
@@ -97,14 +101,16 @@ fn clock_ticks_per_s() -> Result<f64> {
 /// The server a load run measures: where to send, and the process whose
 /// CPU time is counted.
 #[derive(Clone, Copy)]
-struct Target {
-    addr: SocketAddr,
-    pid: u32,
+pub struct Target {
+    /// Where wrk sends its requests.
+    pub addr: SocketAddr,
+    /// The process whose CPU time is counted.
+    pub pid: u32,
 }
 
 /// Runs wrk for `seconds` with `connections` connections against
 /// `target`, counting the CPU time of its process.
-fn wrk(
+pub fn wrk(
     script: &std::path::Path,
     target: Target,
     (seconds, connections): (u32, u32),
@@ -179,24 +185,25 @@ fn upstream(runtime: &tokio::runtime::Runtime) -> Result<SocketAddr> {
     Ok(addr)
 }
 
-/// `idem serve` as a child process; killed on drop.
-struct Serve(Child);
+/// A server run as a child process; killed on drop.
+pub struct Child(pub std::process::Child);
 
-impl Drop for Serve {
+impl Drop for Child {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
 }
 
-/// Starts `idem serve` on `db` in front of `up`, with the configuration
-/// file `config` if one is given.
+/// Starts `idem serve` (the binary `bin`) on `db` in front of `up`, with
+/// the configuration file `config` if one is given.
 fn serve(
+    bin: &std::path::Path,
     db: &std::path::Path,
     up: SocketAddr,
     config: Option<&std::path::Path>,
-) -> Result<(Serve, Target)> {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+) -> Result<(Child, Target)> {
+    let mut cmd = Command::new(bin);
     cmd.arg("--db")
         .arg(db)
         .args(["serve", "--listen", "127.0.0.1:0"]);
@@ -212,7 +219,7 @@ fn serve(
         .context("starting idem serve")?;
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
     let pid = child.id();
-    let guard = Serve(child);
+    let guard = Child(child);
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line)?;
     let addr = line
@@ -223,15 +230,26 @@ fn serve(
     Ok((guard, Target { addr, pid }))
 }
 
+/// True when wrk can be run.
+pub fn have_wrk() -> bool {
+    Command::new("wrk").arg("--version").output().is_ok()
+}
+
+/// Writes the wrk script into `dir` and returns its path.
+pub fn write_script(dir: &std::path::Path) -> Result<std::path::PathBuf> {
+    let script = dir.join("idem.lua");
+    std::fs::File::create(&script)?.write_all(SCRIPT.as_bytes())?;
+    Ok(script)
+}
+
 /// Runs the proxy measurements.
 pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
-    if Command::new("wrk").arg("--version").output().is_err() {
+    if !have_wrk() {
         println!("\nproxy: skipped, wrk is not installed (apt-get install wrk)");
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
-    let script = dir.path().join("idem.lua");
-    std::fs::File::create(&script)?.write_all(SCRIPT.as_bytes())?;
+    let script = write_script(dir.path())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -241,10 +259,20 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         addr: upstream(&runtime)?,
         pid: std::process::id(),
     };
-    let (_serve, proxied) = serve(&dir.path().join("idem.db"), up.addr, None)?;
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_idem"));
+    let (_serve, proxied) = serve(bin, &dir.path().join("idem.db"), up.addr, None)?;
     let grouped_config = dir.path().join("group.toml");
     std::fs::write(&grouped_config, "group_commit = true\n")?;
-    let (_grouped, grouped) = serve(&dir.path().join("group.db"), up.addr, Some(&grouped_config))?;
+    let (_grouped, grouped) = serve(
+        bin,
+        &dir.path().join("group.db"),
+        up.addr,
+        Some(&grouped_config),
+    )?;
+    let compared = match &settings.compare_bin {
+        Some(other) => Some(serve(other, &dir.path().join("other.db"), up.addr, None)?),
+        None => None,
+    };
     let secs = settings.proxy_seconds;
     // The replayed key, completed by one connection before 32 replay it
     // (32 at once on a new key would be told it is in progress); and a
@@ -253,7 +281,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     wrk(&script, proxied, (1, CONNECTIONS), "new", "warm")?;
     wrk(&script, up, (1, CONNECTIONS), "new", "warm")?;
     wrk(&script, grouped, (1, CONNECTIONS), "new", "warm")?;
-    let kinds: [(&str, Target, &str, u32); 8] = [
+    let mut kinds: Vec<(&str, Target, &str, u32)> = vec![
         ("direct, new keys", up, "new", CONNECTIONS),
         ("proxy, first requests", proxied, "new", CONNECTIONS),
         ("direct, fixed key", up, "fixed", CONNECTIONS),
@@ -263,6 +291,16 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         ("proxy, first requests", proxied, "new", 1),
         ("proxy, replays", proxied, "fixed", 1),
     ];
+    if let Some((_, other)) = &compared {
+        wrk(&script, *other, (1, 1), "fixed", "warm")?;
+        wrk(&script, *other, (1, CONNECTIONS), "new", "warm")?;
+        kinds.extend([
+            ("compared, first requests", *other, "new", CONNECTIONS),
+            ("compared, replays", *other, "fixed", CONNECTIONS),
+            ("compared, first requests", *other, "new", 1),
+            ("compared, replays", *other, "fixed", 1),
+        ]);
+    }
     let rounds = settings.rounds.min(3);
     let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
     for r in 0..rounds {

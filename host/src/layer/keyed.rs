@@ -15,12 +15,14 @@ use tracing::Instrument;
 
 use super::body::{BufferedResponse, DRAIN_MAX_BYTES, drain, truncate};
 use super::{BoxError, Claim, InnerFailure, Shared};
-use crate::api::{BeginRequest, Completion, Decision, Disposition, Extension, Policy, Ticket};
+use crate::api::{
+    BeginRequest, Completion, Decision, Disposition, Extension, InProgressMode, Policy, Ticket,
+};
 use crate::engine::{Engine, Error};
 use crate::proxy::config::is_safe_method;
 use crate::proxy::forward::{disposition, from_stored};
 use crate::proxy::{
-    IDEMPOTENCY_KEY, KeyRequirement, Metrics, Problem, Route, ScopeError, ServerErrors, body_kind,
+    IDEMPOTENCY_KEY, KeyRequirement, Problem, Route, ScopeError, ServerErrors, body_kind,
     classify_status, derive_scope, engine_error_problem, http_decision, parse_idempotency_key,
 };
 use crate::types::{Failure, RecordKey, StoredResponse, Success};
@@ -59,8 +61,17 @@ where
         biz_type = %route.biz_type,
         scope = tracing::field::Empty,
     );
-    // A task of its own: if the client hangs up, this future is dropped,
-    // but a claimed key is still run once and its outcome stored.
+    if shared.on_thread(&route.policy) {
+        // The engine answers on this thread: nothing is claimed before the
+        // decision, and a claimed request moves to a task of its own with
+        // no await in between, so a client that hangs up can never drop a
+        // claim. Replays and refusals need no task at all.
+        return shared.keyed(inner, request, route).instrument(span).await;
+    }
+    // The engine answers on the blocking pool, and the decision arrives at
+    // an await: the whole request runs on a task of its own, so that if
+    // the client hangs up a claimed key is still run once and its outcome
+    // stored.
     let task = shared.tasks.clone().spawn(
         {
             let shared = shared.clone();
@@ -68,13 +79,16 @@ where
         }
         .instrument(span),
     );
-    match task.await {
-        Ok(response) => response,
-        Err(e) => {
-            tracing::error!(error = %e, "a request task failed");
-            Problem::from(idem_http::Problem::not_completed()).into_response()
-        }
-    }
+    joined(task.await)
+}
+
+/// The answer of a request's task; a task that panicked or was cancelled
+/// is answered as not completed.
+fn joined(answer: Result<Response<Body>, tokio::task::JoinError>) -> Response<Body> {
+    answer.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "a request task failed");
+        Problem::from(idem_http::Problem::not_completed()).into_response()
+    })
 }
 
 /// Calls the inner service once it is ready.
@@ -94,15 +108,32 @@ where
 }
 
 impl Shared {
-    /// Runs an engine call on a blocking thread; counts store errors.
-    pub(crate) async fn blocking<R: Send + 'static>(
+    /// True when `begin` under `policy` runs on the request's own thread:
+    /// the store answers in microseconds and the policy never makes the
+    /// engine wait for another request (`in_progress = "wait"` polls,
+    /// which would hold the thread that other requests, the first one's
+    /// included, need).
+    fn on_thread(&self, policy: &Policy) -> bool {
+        self.inline && matches!(policy.in_progress, InProgressMode::Reject)
+    }
+
+    /// Runs an engine call: on this thread when `on_thread` (see
+    /// [`Shared::on_thread`]; calls other than `begin` never wait, so they
+    /// pass [`Shared::inline`]), else on tokio's blocking pool. Counts
+    /// store errors.
+    pub(crate) async fn engine_call<R: Send + 'static>(
         &self,
+        on_thread: bool,
         f: impl FnOnce(&Engine) -> Result<R, Error> + Send + 'static,
     ) -> Result<R, Error> {
-        let engine = self.engine.clone();
-        let answer = match tokio::task::spawn_blocking(move || f(&engine)).await {
-            Ok(answer) => answer,
-            Err(e) => Err(Error::Trap(format!("the engine call did not finish: {e}"))),
+        let answer = if on_thread {
+            f(&self.engine)
+        } else {
+            let engine = self.engine.clone();
+            match tokio::task::spawn_blocking(move || f(&engine)).await {
+                Ok(answer) => answer,
+                Err(e) => Err(Error::Trap(format!("the engine call did not finish: {e}"))),
+            }
         };
         if let Err(Error::Store(_)) = &answer {
             self.metrics.store_error();
@@ -114,7 +145,7 @@ impl Shared {
     fn refuse(&self, problem: impl Into<Problem>) -> Response<Body> {
         let problem = problem.into();
         self.metrics.request("invalid");
-        tracing::info!(problem = problem.kind.slug(), "request refused");
+        tracing::debug!(problem = problem.kind.slug(), "request refused");
         problem.into_response()
     }
 
@@ -164,7 +195,12 @@ impl Shared {
     }
 
     /// A request that may carry a key.
-    async fn keyed<S, ResB>(&self, inner: S, request: Request<Body>, route: Route) -> Response<Body>
+    async fn keyed<S, ResB>(
+        self: Arc<Self>,
+        inner: S,
+        request: Request<Body>,
+        route: Route,
+    ) -> Response<Body>
     where
         S: Service<Request<Body>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -224,7 +260,8 @@ impl Shared {
             body: bytes.to_vec(),
             policy: route.policy.clone(),
         };
-        let decision = match self.blocking(move |e| e.begin(&begin)).await {
+        let on_thread = self.on_thread(&route.policy);
+        let decision = match self.engine_call(on_thread, move |e| e.begin(&begin)).await {
             Ok(decision) => decision,
             Err(e) => {
                 self.metrics.request("error");
@@ -233,11 +270,21 @@ impl Shared {
             }
         };
         self.metrics.request(decision.name());
-        tracing::info!(decision = decision.name(), "decided");
+        tracing::debug!(decision = decision.name(), "decided");
         if let Decision::Mismatch(_) = decision {
             self.metrics.mismatch();
         }
         match idem_http::answer(http_decision(decision)) {
+            idem_http::Answer::Execute(ticket) if on_thread => {
+                // Claimed: from here on the request runs to its stored
+                // outcome even if the caller goes away (see `handle`).
+                let shared = self.clone();
+                let task = self.tasks.spawn(
+                    async move { shared.execute(inner, parts, bytes, ticket, &route).await }
+                        .in_current_span(),
+                );
+                joined(task.await)
+            }
             idem_http::Answer::Execute(ticket) => {
                 self.execute(inner, parts, bytes, ticket, &route).await
             }
@@ -288,7 +335,7 @@ impl Shared {
                 Err(Box::new(self.refuse(too_large())))
             }
             Err(e) => {
-                tracing::info!(error = %e, "the request body could not be read");
+                tracing::debug!(error = %e, "the request body could not be read");
                 Err(Box::new(self.refuse(idem_http::Problem::body_unreadable())))
             }
         }
@@ -308,7 +355,7 @@ impl Shared {
 
     /// Runs the request once in the inner service and stores its outcome.
     async fn execute<S, ResB>(
-        &self,
+        self: &Arc<Self>,
         inner: S,
         parts: request::Parts,
         body: Bytes,
@@ -323,8 +370,7 @@ impl Shared {
     {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let heartbeat = tokio::spawn(heartbeat(
-            self.engine.clone(),
-            self.metrics.clone(),
+            self.clone(),
             ticket.clone(),
             route.policy.clone(),
             stopped,
@@ -386,14 +432,14 @@ impl Shared {
         for _ in 0..SETTLE_TRIES {
             let (t, p, o) = (ticket.clone(), policy.clone(), outcome.clone());
             let answer = self
-                .blocking(move |e| match &o {
+                .engine_call(self.inline, move |e| match &o {
                     Outcome::Complete(s) => e.complete(&t, &p, s),
                     Outcome::Fail(f, d) => e.fail(&t, &p, f, *d),
                 })
                 .await;
             match answer {
                 Ok(Completion::Recorded) => {
-                    tracing::info!(outcome = outcome.name(), "outcome stored");
+                    tracing::debug!(outcome = outcome.name(), "outcome stored");
                     return;
                 }
                 Ok(Completion::LostOwnership) => {
@@ -489,8 +535,7 @@ impl Outcome {
 
 /// Extends the lease every half lease until stopped or ownership is lost.
 async fn heartbeat(
-    engine: Engine,
-    metrics: Metrics,
+    shared: Arc<Shared>,
     ticket: Ticket,
     policy: Policy,
     mut stop: tokio::sync::oneshot::Receiver<()>,
@@ -501,22 +546,19 @@ async fn heartbeat(
             _ = &mut stop => return,
             () = tokio::time::sleep(period) => {}
         }
-        let (e, t, p) = (engine.clone(), ticket.clone(), policy.clone());
-        match tokio::task::spawn_blocking(move || e.extend(&t, &p)).await {
-            Ok(Ok(Extension::Extended(until))) => {
+        let (t, p) = (ticket.clone(), policy.clone());
+        match shared
+            .engine_call(shared.inline, move |e| e.extend(&t, &p))
+            .await
+        {
+            Ok(Extension::Extended(until)) => {
                 tracing::debug!(lease_until = until, "lease extended");
             }
-            Ok(Ok(Extension::LostOwnership)) => {
+            Ok(Extension::LostOwnership) => {
                 tracing::warn!("the lease could not be extended: the key was taken over");
                 return;
             }
-            Ok(Err(e)) => {
-                if let Error::Store(_) = e {
-                    metrics.store_error();
-                }
-                tracing::warn!(error = %e, "the lease could not be extended");
-            }
-            Err(_) => return,
+            Err(e) => tracing::warn!(error = %e, "the lease could not be extended"),
         }
     }
 }

@@ -18,8 +18,11 @@
 //! call and the stored outcome, and [`IdempotencyLayer::finish`] waits for
 //! such tasks at shutdown.
 //!
-//! Engine calls run on tokio's blocking pool: the service never blocks a
-//! worker thread on the store and needs no `spawn_blocking` of its own.
+//! The service needs no `spawn_blocking` of its own. Engine calls run on
+//! the request's own thread when the store answers in microseconds (SQLite,
+//! the memory store: a thread handoff would cost more than the call), and
+//! on tokio's blocking pool when it waits on the network (PostgreSQL); see
+//! [`Engine::blocks_on_io`].
 //!
 //! ```no_run
 //! use axum::{Router, routing::post};
@@ -80,6 +83,9 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
     /// Claimed requests in flight, each on a task of its own.
     pub(crate) tasks: TaskTracker,
+    /// Engine calls run on the request's own thread (the store answers in
+    /// microseconds) rather than on the blocking pool.
+    pub(crate) inline: bool,
 }
 
 /// The layer: holds the engine and the configuration; cheap to clone.
@@ -129,8 +135,10 @@ impl IdempotencyLayer {
                 }
             }
         }
+        let inline = !engine.blocks_on_io();
         Ok(IdempotencyLayer {
             shared: Arc::new(Shared {
+                inline,
                 engine,
                 config,
                 routes,

@@ -321,4 +321,9 @@ impl Storage for MemoryStore {
             Ok(counts.to_vec())
         })
     }
+
+    /// Memory: an operation takes microseconds.
+    fn blocks_on_io(&self) -> bool {
+        false
+    }
 }

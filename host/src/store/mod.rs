@@ -83,4 +83,18 @@ pub trait Storage: Send + Sync + 'static {
 
     /// Counts records by status (for `idem stats`).
     fn count_by_status(&self) -> Result<Vec<(crate::types::Status, u64)>, StoreError>;
+
+    /// Whether an operation waits on I/O, such as a round trip to a
+    /// database server. Async hosts (the tower layer, `idem serve`) run the
+    /// engine's calls on a blocking thread when it does, and on the
+    /// request's own thread when it does not: a store that answers from
+    /// memory or a local file in microseconds costs less than the thread
+    /// handoff. Such a store may still wait now and then (SQLite waits for
+    /// another process's write lock, up to its busy timeout); the request's
+    /// thread waits with it.
+    ///
+    /// The default is `true`, which is always safe.
+    fn blocks_on_io(&self) -> bool {
+        true
+    }
 }

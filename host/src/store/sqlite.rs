@@ -554,6 +554,11 @@ impl Storage for SqliteStore {
     fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
         self.single(count_by_status)
     }
+
+    /// A local file: an operation takes microseconds.
+    fn blocks_on_io(&self) -> bool {
+        false
+    }
 }
 
 /// A write transaction on one pooled connection, opened by
@@ -705,6 +710,11 @@ impl Storage for SqliteTransaction {
 
     fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
         self.run(count_by_status)
+    }
+
+    /// A local file: an operation takes microseconds.
+    fn blocks_on_io(&self) -> bool {
+        false
     }
 }
 

@@ -1,0 +1,177 @@
+//! The tower layer in-process: an axum service with the layer against the
+//! same service without it, each a child process (this bench binary run
+//! with `--serve-app`), loaded by wrk; the difference in the process's CPU
+//! time per request is what the layer adds.
+//!
+//! The handler is the proxy part's upstream handler: it numbers an order
+//! and answers 201 with a small JSON body. The layer runs on SQLite with
+//! the default configuration (a key is required on POST; the wrk script
+//! sends one, with credentials). Kinds, at 1 and 32 connections: new keys
+//! (the layer claims, runs the handler, stores the answer) and one fixed
+//! key (the layer replays it; the handler does not run).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result, anyhow, bail};
+use axum::Router;
+use axum::routing::post;
+use idem::layer::IdempotencyLayer;
+use idem::proxy::ProxyConfig;
+use idem::{Engine, SqliteStore};
+use serde_json::json;
+
+use crate::common::{Report, Settings, median};
+use crate::proxy::{Child, Load, Target, have_wrk, write_script, wrk};
+
+/// The first argument that makes this binary serve the app instead of
+/// measuring: `--serve-app bare|layer DB`.
+pub const SERVE_APP: &str = "--serve-app";
+
+/// The handler both apps run: a new order number per call.
+fn app() -> Router {
+    let counter = Arc::new(AtomicU64::new(0));
+    Router::new().route(
+        "/orders",
+        post(move || {
+            let n = counter.fetch_add(1, Ordering::Relaxed);
+            async move {
+                (
+                    axum::http::StatusCode::CREATED,
+                    [("content-type", "application/json")],
+                    format!("{{\"order\":\"order-{n}\"}}"),
+                )
+            }
+        }),
+    )
+}
+
+/// Serves the app (`bare`: without the layer; `layer`: with it, on the
+/// SQLite file `db`) on a free port of 127.0.0.1 until killed; prints
+/// `listening on ADDR` first. Runs on tokio's default multi-threaded
+/// runtime, as an axum service would.
+pub fn serve_app(mut args: impl Iterator<Item = String>) -> Result<()> {
+    let kind = args.next().context("--serve-app takes bare or layer")?;
+    let db = args.next().context("--serve-app takes a database file")?;
+    let app = match kind.as_str() {
+        "bare" => app(),
+        "layer" => {
+            let store = SqliteStore::open(&db, Default::default())?;
+            let engine = Engine::builder().storage(store).build()?;
+            app().layer(IdempotencyLayer::new(engine, ProxyConfig::default())?)
+        }
+        other => bail!("--serve-app takes bare or layer, not {other}"),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        println!("listening on {}", listener.local_addr()?);
+        axum::serve(listener, app).await?;
+        Ok(())
+    })
+}
+
+/// Starts this binary as `--serve-app kind db`.
+fn spawn_app(kind: &str, db: &std::path::Path) -> Result<(Child, Target)> {
+    let exe = std::env::current_exe().context("the bench binary's path")?;
+    let mut child = Command::new(exe)
+        .arg(SERVE_APP)
+        .arg(kind)
+        .arg(db)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting the app")?;
+    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let pid = child.id();
+    let guard = Child(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let addr: SocketAddr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .ok_or_else(|| anyhow!("the app printed '{line}'"))?
+        .parse()?;
+    Ok((guard, Target { addr, pid }))
+}
+
+/// Runs the layer measurements.
+pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
+    if !have_wrk() {
+        println!("\nlayer: skipped, wrk is not installed (apt-get install wrk)");
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let script = write_script(dir.path())?;
+    let (_bare, bare) = spawn_app("bare", &dir.path().join("unused.db"))?;
+    let (_layer, layered) = spawn_app("layer", &dir.path().join("idem.db"))?;
+    // The fixed key, completed once before it is replayed; a warm-up of
+    // every kind.
+    wrk(&script, layered, (1, 1), "fixed", "warm")?;
+    wrk(&script, layered, (1, 32), "new", "warm")?;
+    wrk(&script, bare, (1, 32), "new", "warm")?;
+    let secs = settings.proxy_seconds;
+    let kinds: [(&str, Target, &str, u32); 8] = [
+        ("bare, new keys", bare, "new", 1),
+        ("layer, first requests", layered, "new", 1),
+        ("bare, fixed key", bare, "fixed", 1),
+        ("layer, replays", layered, "fixed", 1),
+        ("bare, new keys", bare, "new", 32),
+        ("layer, first requests", layered, "new", 32),
+        ("bare, fixed key", bare, "fixed", 32),
+        ("layer, replays", layered, "fixed", 32),
+    ];
+    let rounds = settings.rounds.min(3);
+    let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
+    for r in 0..rounds {
+        for (k, (_, target, mode, connections)) in kinds.iter().enumerate() {
+            results[k].push(wrk(
+                &script,
+                *target,
+                (secs, *connections),
+                mode,
+                &format!("l{r}k{k}"),
+            )?);
+        }
+    }
+    println!(
+        "\nlayer: an axum service with and without IdempotencyLayer (SQLite), wrk, {rounds} \
+         rounds x {secs} s per kind, medians over rounds; CPU is the service process's user + \
+         system time per request"
+    );
+    println!(
+        "{:<24} {:>5} {:>9} {:>9} {:>9} {:>11}",
+        "kind", "conns", "req/s", "p50 us", "p99 us", "CPU us/req"
+    );
+    let mut cpus = Vec::new();
+    for ((name, _, _, connections), loads) in kinds.iter().zip(&results) {
+        let of = |f: fn(&Load) -> f64| median(&loads.iter().map(f).collect::<Vec<_>>());
+        let (rps, p50, p99, cpu) = (
+            of(|l| l.rps),
+            of(|l| l.p50_us),
+            of(|l| l.p99_us),
+            of(|l| l.cpu_us_per_request),
+        );
+        println!("{name:<24} {connections:>5} {rps:>9.0} {p50:>9.0} {p99:>9.0} {cpu:>11.1}");
+        cpus.push(cpu);
+        report.add(json!({
+            "section": "layer", "kind": name, "connections": connections,
+            "requests_per_s": rps, "p50_us": p50, "p99_us": p99,
+            "cpu_us_per_request": cpu,
+        }));
+    }
+    println!(
+        "the layer adds {:+.1} us CPU per first request and {:+.1} us per replay at 1 \
+         connection ({:+.1} and {:+.1} at 32)",
+        cpus[1] - cpus[0],
+        cpus[3] - cpus[2],
+        cpus[5] - cpus[4],
+        cpus[7] - cpus[6],
+    );
+    Ok(())
+}
