@@ -1,7 +1,10 @@
 // The engine API for Node: one instance of the idem engine component over a
 // store, a clock and a result lookup.
 
-import { callEngine, decisionOut, instantiateEngine, responseIn, toBytes, toWitPolicy } from "./host.js";
+import { callEngine, decisionOut, instantiateEngine, loadComponent, responseIn, toBytes, toWitPolicy } from "./host.js";
+
+/** The component this package ships, loaded once per process. */
+const component = await loadComponent();
 
 /** The real clock: milliseconds since the epoch; `pause` blocks the thread. */
 export const systemClock = Object.freeze({
@@ -64,7 +67,7 @@ export class Idem {
     if (!store) throw new TypeError("Idem: options.store is required (e.g. new SqliteStore(path))");
     this.store = store;
     this.clock = clock;
-    this.engine = instantiateEngine({ store, clock, results });
+    this.engine = instantiateEngine(component, { store, clock, results });
   }
 
   /**

@@ -7,7 +7,7 @@
 
 import { readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
-import { fileURLToPath } from "node:url";
+import { fileURLToPath, pathToFileURL } from "node:url";
 
 const dist = join(dirname(fileURLToPath(import.meta.url)), "..", "dist");
 
@@ -49,26 +49,28 @@ export class EngineError extends Error {
   }
 }
 
-let transpiled;
-const coreModules = new Map();
-
-/** Loads the transpiled component once per process. */
-async function loadTranspiled() {
-  if (!transpiled) transpiled = await import(new URL("../dist/idem.js", import.meta.url).href);
-  return transpiled;
-}
-
-const loaded = await loadTranspiled().catch((e) => {
-  throw new Error(`idem: the transpiled component is missing in dist/ (build it with scripts/build.js): ${e.message}`);
-});
-
-function getCoreModule(name) {
-  let m = coreModules.get(name);
-  if (!m) {
-    m = new WebAssembly.Module(readFileSync(join(dist, name)));
-    coreModules.set(name, m);
+/**
+ * Loads a component transpiled by jco (`jco transpile --instantiation sync
+ * --name idem`) from `dir`: `{ instantiate, getCoreModule, dir }`.
+ * The package's own is in dist/.
+ */
+export async function loadComponent(dir = dist) {
+  let mod;
+  try {
+    mod = await import(pathToFileURL(join(dir, "idem.js")).href);
+  } catch (e) {
+    throw new Error(`idem: no transpiled component in ${dir} (build it with scripts/build.js): ${e.message}`);
   }
-  return m;
+  const cache = new Map();
+  const getCoreModule = (name) => {
+    let m = cache.get(name);
+    if (!m) {
+      m = new WebAssembly.Module(readFileSync(join(dir, name)));
+      cache.set(name, m);
+    }
+    return m;
+  };
+  return { instantiate: mod.instantiate, getCoreModule, dir };
 }
 
 /** The SHA-256 and size of the component this package ships. */
@@ -89,12 +91,12 @@ function guard(op, f) {
 }
 
 /**
- * Instantiates the engine component over `store` (an object with
+ * Instantiates `component` (from loadComponent) over `store` (an object with
  * insertIfAbsent, get, compareAndSwap, deleteExpired, listStale, in jco's
  * shapes), `clock` ({ now(): bigint, pause(ms: bigint) }) and `results`
  * ({ findResult(key): string | undefined }). Returns the raw `engine` export.
  */
-export function instantiateEngine({ store, clock, results }) {
+export function instantiateEngine(component, { store, clock, results }) {
   const s = {
     insertIfAbsent: guard("insert-if-absent", (c) => store.insertIfAbsent(c)),
     get: guard("get", (k) => store.get(k)),
@@ -110,7 +112,7 @@ export function instantiateEngine({ store, clock, results }) {
     "idem:engine/results": r, "idem:engine/results@0.1.0": r,
     "idem:engine/types": {}, "idem:engine/types@0.1.0": {},
   };
-  const exports = loaded.instantiate(getCoreModule, imports);
+  const exports = component.instantiate(component.getCoreModule, imports);
   return exports.engine ?? exports["idem:engine/engine@0.1.0"];
 }
 
