@@ -53,23 +53,26 @@ const SQL_INSERT = `INSERT INTO idempotency_record (
     ON CONFLICT (scope_key, biz_type, idem_key) DO NOTHING
     RETURNING id`;
 const SQL_GET = `SELECT ${COLUMNS} FROM idempotency_record WHERE scope_key = ? AND biz_type = ? AND idem_key = ?`;
+// The Rust store's statement, with better-sqlite3's positional parameters:
+// the SET values (parameters 4 to 16 of the insert), then the key, the
+// expected revision and the id.
 const SQL_SWAP = `UPDATE idempotency_record SET
-        request_hash = ?4, fingerprint_version = ?5, status = ?6, fencing_token = ?7,
-        revision = ?8, attempts = ?9, lease_until = ?10, created_at = ?11, updated_at = ?12,
-        expires_at = ?13, result_ref = ?14, response = ?15, failure = ?16
-    WHERE scope_key = ?1 AND biz_type = ?2 AND idem_key = ?3 AND revision = ?17 AND id = ?18`;
+        request_hash = ?, fingerprint_version = ?, status = ?, fencing_token = ?,
+        revision = ?, attempts = ?, lease_until = ?, created_at = ?, updated_at = ?,
+        expires_at = ?, result_ref = ?, response = ?, failure = ?
+    WHERE scope_key = ? AND biz_type = ? AND idem_key = ? AND revision = ? AND id = ?`;
 const SQL_DELETE_EXPIRED = `DELETE FROM idempotency_record WHERE id IN (
         SELECT id FROM idempotency_record
         WHERE status IN ('succeeded', 'failed', 'released') AND expires_at <= ?
         ORDER BY expires_at, id
         LIMIT ?)`;
 const SQL_LIST_STALE = `SELECT ${COLUMNS} FROM idempotency_record
-        WHERE biz_type = ?1 AND status = 'processing' AND lease_until <= ?2
+        WHERE biz_type = ? AND status = 'processing' AND lease_until <= ?
     UNION ALL
     SELECT ${COLUMNS} FROM idempotency_record
-        WHERE biz_type = ?1 AND status = 'outcome-unknown'
+        WHERE biz_type = ? AND status = 'outcome-unknown'
     ORDER BY updated_at, id
-    LIMIT ?3`;
+    LIMIT ?`;
 
 const STATUSES = new Set(["processing", "succeeded", "failed", "released", "outcome-unknown"]);
 
@@ -307,7 +310,7 @@ export class SqliteStore {
     return this.#write(() => {
       // A revision or id SQLite cannot store is not stored: nothing matches it.
       if (BigInt(expectedRevision) <= I64_MAX && BigInt(replacement.id) <= I64_MAX) {
-        const changed = this.stmts.swap.run(...params, BigInt(expectedRevision), BigInt(replacement.id)).changes;
+        const changed = this.stmts.swap.run(...params.slice(3), ...params.slice(0, 3), BigInt(expectedRevision), BigInt(replacement.id)).changes;
         if (changed > 0) return { tag: "swapped" };
       }
       return { tag: "stale", val: this.#get(replacement.key) };
@@ -323,7 +326,7 @@ export class SqliteStore {
   /** `store.list-stale`, oldest `updated_at` first. */
   listStale(bizType, now, limit) {
     const bound = BigInt(now) > I64_MAX ? I64_MAX : BigInt(now);
-    return this.#read(() => this.stmts.listStale.all(bizType, bound, BigInt(limit)).map(decodeRow));
+    return this.#read(() => this.stmts.listStale.all(bizType, bound, bizType, BigInt(limit)).map(decodeRow));
   }
 
   /** How many records the file holds. */
