@@ -150,7 +150,7 @@ test("a bounded wait polls on the injected clock and replays", () => {
 test("bad input is a decision naming the field and the rule", () => {
   const { idem } = setup();
   const bad = idem.begin({ ...key(""), body: {} });
-  assert.deepEqual([bad.decision, bad.field, bad.rule], ["invalid", "idem-key", "too-short"]);
+  assert.deepEqual([bad.decision, bad.field, bad.rule], ["invalid", "idem-key", "required"]);
   const notJson = idem.begin({ ...key("k"), body: "{", bodyKind: "json" });
   assert.deepEqual([notJson.decision, notJson.field, notJson.rule], ["invalid", "body", "not-json"]);
   const lease = idem.begin({ ...key("k"), body: {}, policy: { lease_ms: 0 } });

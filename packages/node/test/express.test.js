@@ -44,7 +44,7 @@ after(() => server.close());
 const post = (path, { key, auth = "Bearer alice-token", body = '{"sku":"A1","qty":2}', type = "application/json" } = {}) => {
   const headers = { "content-type": type };
   if (key !== undefined) headers["idempotency-key"] = key;
-  if (auth !== undefined) headers.authorization = auth;
+  if (auth !== null) headers.authorization = auth;
   return fetch(base + path, { method: "POST", headers, body });
 };
 
@@ -79,7 +79,7 @@ test("the README's curl session, answer by answer", async () => {
 
   await problem(await post("/orders", {}), 400, "key-missing", "Idempotency-Key is missing");
 
-  const anon = await post("/orders", { key: KEY, auth: undefined });
+  const anon = await post("/orders", { key: KEY, auth: null });
   await problem(anon, 401, "client-unidentified", "The client is not identified");
   assert.equal(anon.headers.get("www-authenticate"), 'Bearer realm="idem"');
   assert.equal(orders, 1);

@@ -69,7 +69,7 @@ test("a call whose lease was taken over is told its result was not stored", asyn
   let release;
   const gate = new Promise((r) => { release = r; });
   let runs = 0;
-  const f = makeIdempotent(async () => { runs += 1; if (runs === 1) await gate; return runs; }, { idem, bizType: "job", key: (k) => k, policy });
+  const f = makeIdempotent(async () => { runs += 1; const n = runs; if (n === 1) await gate; return n; }, { idem, bizType: "job", key: (k) => k, policy });
   const slow = f("k");
   clock.advance(1001);
   assert.equal(await f("k"), 2);

@@ -163,6 +163,8 @@ class IdempotencyMiddleware:
                                                     message="the handler gave no complete response",
                                                     disposition="outcome-unknown"))
                 if state["status"] is None:
+                    # Answered here: the exception is reported, not re-raised.
+                    self.on_error(exc)
                     await _problem(send, http.outcome_unknown(500))
                     return None
             raise exc
