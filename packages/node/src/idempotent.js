@@ -52,7 +52,9 @@ export function makeIdempotent(fn, options) {
     const k = key(...args);
     if (typeof k !== "string") throw new IdempotencyValidationError(`options.key returned ${typeof k}, not a string`, { field: "idem-key", rule: "required" });
     const s = typeof scope === "function" ? scope(...args) : scope;
-    const d = idem.begin({ scope: s, bizType, key: k, body: fingerprint(...args) ?? null, bodyKind: "json", policy });
+    // The fingerprinted value always as its JSON text, a string too.
+    const body = Buffer.from(JSON.stringify(fingerprint(...args) ?? null), "utf8");
+    const d = idem.begin({ scope: s, bizType, key: k, body, bodyKind: "json", policy });
     switch (d.decision) {
       case "execute": break;
       case "replay": {

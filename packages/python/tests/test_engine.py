@@ -113,7 +113,7 @@ def test_bounded_wait_uses_the_injected_clock(env):
 
 def test_bad_input_names_the_field_and_the_rule(env):
     bad = env.idem.begin(S, B, "", body={})
-    assert (bad.decision, bad.field, bad.rule) == ("invalid", "idem-key", "too-short")
+    assert (bad.decision, bad.field, bad.rule) == ("invalid", "idem-key", "required")
     nj = env.idem.begin(S, B, "k", body=b"{", body_kind="json")
     assert (nj.decision, nj.field, nj.rule) == ("invalid", "body", "not-json")
     lease = env.idem.begin(S, B, "k", body={}, policy={"lease_ms": 0})

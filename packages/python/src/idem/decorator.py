@@ -96,7 +96,9 @@ def idempotent(idem: Idem, biz_type: str, *, key: Callable[..., str],
         if not isinstance(k, str):
             raise IdempotencyValidationError(f"key returned {type(k).__name__}, not a str", "idem-key", "required")
         s = scope(*args, **kwargs) if callable(scope) else scope
-        d = idem.begin(s, biz_type, k, body=fingerprint(*args, **kwargs), body_kind="json", policy=policy)
+        # The fingerprinted value always as its JSON text, a str too.
+        body = json.dumps(fingerprint(*args, **kwargs), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        d = idem.begin(s, biz_type, k, body=body, body_kind="json", policy=policy)
         if d.decision == "execute":
             return d.ticket, None
         if d.decision == "replay":
