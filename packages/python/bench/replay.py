@@ -60,7 +60,6 @@ def idem_side(calls, body_bytes):
 
 def powertools_side(calls, body_bytes, url):
     os.environ.setdefault("AWS_LAMBDA_FUNCTION_NAME", "idem-bench")
-    os.environ.setdefault("POWERTOOLS_IDEMPOTENCY_DISABLED", "")
     from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idempotent_function
     from aws_lambda_powertools.utilities.idempotency.persistence.cache import CachePersistenceLayer
 

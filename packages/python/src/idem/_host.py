@@ -89,6 +89,201 @@ ListType.convert_to_c = _bytes_to_c  # type: ignore[method-assign]
 ListType.convert_from_c = _bytes_from_c  # type: ignore[method-assign]
 
 
+# ------------------------------------------------------------ cached types
+#
+# wasmtime-py asks the C API for every function's type, and for each
+# record's fields, variant's cases, list's element, ... on every call and
+# every conversion: thousands of FFI calls and type objects per `begin`
+# (about 8 ms a call). Types never change, so they are asked once: each
+# type object keeps what it was told, and the functions below keep the type
+# of each export and import.
+
+from wasmtime.component import _types as _t  # noqa: E402
+from wasmtime.component._enter import catch_exceptions, enter_wasm  # noqa: E402
+
+
+def _memo_property(cls: type, name: str) -> None:
+    getter = getattr(cls, name).fget
+    slot = f"_idem_{name}"
+
+    def cached(self: Any) -> Any:
+        d = self.__dict__
+        if slot not in d:
+            d[slot] = getter(self)
+        return d[slot]
+
+    setattr(cls, name, property(cached))
+
+
+def _memo_method(cls: type, name: str) -> None:
+    method = getattr(cls, name)
+    slot = f"_idem_{name}"
+
+    def cached(self: Any) -> Any:
+        d = self.__dict__
+        if slot not in d:
+            d[slot] = method(self)
+        return d[slot]
+
+    setattr(cls, name, cached)
+
+
+for _cls, _names in ((_t.ListType, ("element",)), (_t.RecordType, ("fields",)), (_t.TupleType, ("elements",)),
+                     (_t.VariantType, ("cases",)), (_t.EnumType, ("names",)), (_t.OptionType, ("payload",)),
+                     (_t.ResultType, ("ok", "err")), (_t.FlagsType, ("names",))):
+    for _name in _names:
+        _memo_property(_cls, _name)
+for _cls in (_t.VariantType, _t.OptionType, _t.ResultType):
+    _memo_method(_cls, "_cases")
+    _memo_method(_cls, "_tagged")
+
+
+# Strings and record field names: one FFI call each instead of three, and
+# field names encoded once per record type.
+from wasmtime import _bindings as _raw  # noqa: E402
+_vec_new = _raw._wasm_byte_vec_new  # the bare C function, without the Python wrapper
+_vec_t = ffi.wasm_byte_vec_t
+_byref = ctypes.byref
+
+
+def _bytes_vec(b: bytes) -> Any:
+    vec = _vec_t()
+    _vec_new(_byref(vec), len(b), (ctypes.c_ubyte * len(b)).from_buffer_copy(b))
+    return vec
+
+
+def _name_vec(arr: Any, n: int) -> Any:
+    vec = _vec_t()
+    _vec_new(_byref(vec), n, arr)
+    return vec
+
+
+def _str_to_capi(s: str) -> Any:
+    if not isinstance(s, str):
+        raise TypeError("expected a string")
+    return _bytes_vec(s.encode("utf-8"))
+
+
+ffi.str_to_capi = _str_to_capi
+
+
+def _record_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    fields = self.fields
+    names = self.__dict__.get("_idem_names")
+    if names is None:
+        names = self.__dict__["_idem_names"] = [
+            ((ctypes.c_ubyte * len(b)).from_buffer_copy(b), len(b)) for b in (n.encode("utf-8") for n, _ in fields)]
+    raw = ffi.wasmtime_component_valrecord_t()
+    ffi.wasmtime_component_valrecord_new_uninit(raw, len(fields))
+    i = 0
+    cleanup = True
+    try:
+        data = raw.data
+        for (name, ty), (arr, n) in zip(fields, names):
+            entry = data[i]
+            ty.convert_to_c(store, getattr(val, name), ctypes.pointer(entry.val))
+            entry.name = _name_vec(arr, n)
+            i += 1
+        ptr.contents.kind = ffi.WASMTIME_COMPONENT_RECORD
+        ptr.contents.of.record = raw
+        cleanup = False
+    finally:
+        if cleanup:
+            for j in range(i, len(fields)):
+                raw.data[j].val.kind = ffi.WASMTIME_COMPONENT_BOOL
+                raw.data[j].val.of.boolean = False
+            ffi.wasmtime_component_valrecord_delete(ctypes.byref(raw))
+
+
+def _record_from_c(self: Any, c: Any) -> Any:
+    try:
+        ret = Record()
+        d = ret.__dict__
+        data = c.of.record.data
+        for i, (name, ty) in zip(range(c.of.record.size), self.fields):
+            raw_field = data[i]
+            d[name] = ty.convert_from_c(raw_field.val)
+            raw_field.val.kind = ffi.WASMTIME_COMPONENT_BOOL
+            raw_field.val.of.boolean = False
+        return ret
+    finally:
+        ffi.wasmtime_component_valrecord_delete(c.of.record)
+
+
+_t.RecordType.convert_to_c = _record_to_c
+_t.RecordType.convert_from_c = _record_from_c
+
+
+class _Signature:
+    """The parameter and result types of one function, asked once."""
+
+    __slots__ = ("params", "result")
+
+    def __init__(self, fty: Any):
+        self.params = [ty for _, ty in fty.params]
+        self.result = fty.result
+
+
+def _call_export(func: Any, sig: _Signature, store: Any, params: tuple) -> Any:
+    """`Func.__call__` with the function's types known."""
+    if len(params) != len(sig.params):
+        raise TypeError(f"wrong number of parameters provided: given {len(params)}, expected {len(sig.params)}")
+    param_capi = (ffi.wasmtime_component_val_t * len(params))()
+    n = 0
+    try:
+        for ty, val in zip(sig.params, params):
+            ty.convert_to_c(store, val, ctypes.pointer(param_capi[n]))
+            n += 1
+        result_space = ffi.wasmtime_component_val_t() if sig.result is not None else None
+        result_capi = ctypes.byref(result_space) if result_space is not None else None
+        enter_wasm(lambda: ffi.wasmtime_component_func_call(ctypes.byref(func._func), store._context(), param_capi, n,
+                                                             result_capi, 1 if result_space is not None else 0))
+        if result_space is None:
+            return None
+        return sig.result.convert_from_c(result_space)
+    finally:
+        for i in range(n):
+            ffi.wasmtime_component_val_delete(ctypes.byref(param_capi[i]))
+
+
+_IMPORTS: dict[int, list] = {}
+_next_import = [1]
+
+
+@ffi.wasmtime_component_func_callback_t
+def _import_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore[no-untyped-def]
+    entry = _IMPORTS[idx or 0]
+
+    def run(store: Any) -> None:
+        sig = entry[1]
+        if sig is None:
+            with _t.FuncType._from_ptr(ty_raw, owner=store) as fty:
+                sig = entry[1] = _Signature(fty)
+        pyargs = [ty.convert_from_c(args[i]) for ty, i in zip(sig.params, range(nargs))]
+        result = entry[0](store, *pyargs)
+        if sig.result is not None:
+            sig.result.convert_to_c(store, result, results)
+
+    return catch_exceptions(context, run)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _import_finalize(idx):  # type: ignore[no-untyped-def]
+    _IMPORTS.pop(idx or 0, None)
+
+
+def _add_import(instance: Any, name: str, func: Callable[..., Any]) -> None:
+    """`LinkerInstance.add_func`, with the import's types asked once."""
+    idx = _next_import[0]
+    _next_import[0] += 1
+    _IMPORTS[idx] = [func, None]
+    name_bytes = name.encode("utf-8")
+    err_ = ffi.wasmtime_component_linker_instance_add_func(instance.ptr(), ctypes.create_string_buffer(name_bytes),
+                                                           len(name_bytes), _import_impl, idx, _import_finalize)
+    if err_:
+        raise wasmtime.WasmtimeError._from_ptr(err_)
+
+
 # ------------------------------------------------------------ values
 
 
@@ -209,16 +404,16 @@ class Runtime:
         linker = Linker(self.engine)
         with linker.root() as root:
             with root.add_instance(PACKAGE.format("store")) as s:
-                s.add_func("insert-if-absent", _guarded("insert-if-absent", lambda c: store.insert_if_absent(c)))
-                s.add_func("get", _guarded("get", lambda k: store.get(k)))
-                s.add_func("compare-and-swap", _guarded("compare-and-swap", lambda rev, r: store.compare_and_swap(rev, r)))
-                s.add_func("delete-expired", _guarded("delete-expired", lambda now, limit: store.delete_expired(now, limit)))
-                s.add_func("list-stale", _guarded("list-stale", lambda b, now, limit: store.list_stale(b, now, limit)))
+                _add_import(s, "insert-if-absent", _guarded("insert-if-absent", lambda c: store.insert_if_absent(c)))
+                _add_import(s, "get", _guarded("get", lambda k: store.get(k)))
+                _add_import(s, "compare-and-swap", _guarded("compare-and-swap", lambda rev, r: store.compare_and_swap(rev, r)))
+                _add_import(s, "delete-expired", _guarded("delete-expired", lambda now, limit: store.delete_expired(now, limit)))
+                _add_import(s, "list-stale", _guarded("list-stale", lambda b, now, limit: store.list_stale(b, now, limit)))
             with root.add_instance(PACKAGE.format("clock")) as c:
-                c.add_func("now", lambda _s: int(clock.now()))
-                c.add_func("pause", lambda _s, d: clock.pause(d))
+                _add_import(c, "now", lambda _s: int(clock.now()))
+                _add_import(c, "pause", lambda _s, d: clock.pause(d))
             with root.add_instance(PACKAGE.format("results")) as r:
-                r.add_func("find-result", _guarded("find-result", lambda k: results.find_result(k)))
+                _add_import(r, "find-result", _guarded("find-result", lambda k: results.find_result(k)))
         return linker
 
 
@@ -235,13 +430,14 @@ class Exports:
         self.funcs = {}
         for name in self.NAMES:
             index = instance.get_export_index(self.store, name, iface)
-            self.funcs[name] = instance.get_func(self.store, index)
+            f = instance.get_func(self.store, index)
+            self.funcs[name] = (f, _Signature(f.type(self.store)))
 
     def call(self, name: str, *args: Any) -> Any:
         """Calls an export and returns its raw result (a tagged Variant)."""
-        f = self.funcs[name]
+        f, sig = self.funcs[name]
         try:
-            return f(self.store, *args)
+            return _call_export(f, sig, self.store, args)
         finally:
             f.post_return(self.store)
 
