@@ -53,8 +53,8 @@ export function makeIdempotent(fn, options) {
     if (typeof k !== "string") throw new IdempotencyValidationError(`options.key returned ${typeof k}, not a string`, { field: "idem-key", rule: "required" });
     const s = typeof scope === "function" ? scope(...args) : scope;
     // The fingerprinted value always as its JSON text, a string too.
-    const body = Buffer.from(JSON.stringify(fingerprint(...args) ?? null), "utf8");
-    const d = idem.begin({ scope: s, bizType, key: k, body, bodyKind: "json", policy });
+    const fp = Buffer.from(JSON.stringify(fingerprint(...args) ?? null), "utf8");
+    const d = idem.begin({ scope: s, bizType, key: k, body: fp, bodyKind: "json", policy });
     switch (d.decision) {
       case "execute": break;
       case "replay": {
