@@ -81,5 +81,7 @@ echo "== packages: cross-language (Rust, Node, Python on one SQLite file)"
     --python-racer packages/cross/racer.py --python "$venv/bin/python" --keys 500 --dir "$work"
 
 echo "== packages: conformance scenarios against the packages' SQLite stores"
+# .ci/run installed the runner's jco already; install it when run alone.
+[ -d tests/conformance/node/node_modules ] || (cd tests/conformance/node && npm ci "${quiet[@]}")
 node tests/conformance/node/run.mjs "$wasm" --store sqlite
 "$venv/bin/python" tests/conformance/python/run.py "$wasm" --store sqlite
