@@ -140,15 +140,20 @@ for _cls in (_t.VariantType, _t.OptionType, _t.ResultType):
 
 # Strings and record field names: one FFI call each instead of three, and
 # field names encoded once per record type.
-from wasmtime import _bindings as _raw  # noqa: E402
-_vec_new = _raw._wasm_byte_vec_new  # the bare C function, without the Python wrapper
+from wasmtime._ffi import dll as _dll  # noqa: E402
+
+# wasm_byte_vec_new on its own function object (indexing the library makes a
+# new one), taking the bytes as they are: no copy into a ctypes array first.
+_vec_new = _dll["wasm_byte_vec_new"]
+_vec_new.argtypes = [ctypes.POINTER(ffi.wasm_byte_vec_t), ctypes.c_size_t, ctypes.c_char_p]
+_vec_new.restype = None
 _vec_t = ffi.wasm_byte_vec_t
 _byref = ctypes.byref
 
 
 def _bytes_vec(b: bytes) -> Any:
     vec = _vec_t()
-    _vec_new(_byref(vec), len(b), (ctypes.c_ubyte * len(b)).from_buffer_copy(b))
+    _vec_new(_byref(vec), len(b), b)
     return vec
 
 
@@ -171,8 +176,7 @@ def _record_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
     fields = self.fields
     names = self.__dict__.get("_idem_names")
     if names is None:
-        names = self.__dict__["_idem_names"] = [
-            ((ctypes.c_ubyte * len(b)).from_buffer_copy(b), len(b)) for b in (n.encode("utf-8") for n, _ in fields)]
+        names = self.__dict__["_idem_names"] = [(b, len(b)) for b in (n.encode("utf-8") for n, _ in fields)]
     raw = ffi.wasmtime_component_valrecord_t()
     ffi.wasmtime_component_valrecord_new_uninit(raw, len(fields))
     i = 0
