@@ -207,3 +207,7 @@ export declare function idempotency(options: MiddlewareOptions):
   (req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void) => Promise<void>;
 
 export declare function componentInfo(): { sha256: string; bytes: number };
+
+/** The error handler to mount after the routes: a failed handler leaves the key's outcome unknown (500, then 409 outcome-unknown). */
+export declare function idempotencyErrors():
+  (err: unknown, req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void) => void;

@@ -8,6 +8,8 @@ import {
 } from "./http.js";
 import { DEFAULT_POLICY } from "./host.js";
 
+const CRASHED = Symbol("idem.crashed");
+
 function send(res, { status, headers, body }) {
   res.statusCode = status;
   for (const [n, v] of headers) res.setHeader(n, v);
@@ -102,7 +104,8 @@ export function idempotency({ idem, bizType = "http", policy = {}, key, serverEr
       req.rawBody = body;
       req.body = kind === "json" && body.length > 0 ? JSON.parse(body.toString("utf8")) : body;
       req._body = true; // body-parser: already read
-      capture(idem, d.ticket, policy, serverErrors, res, onError);
+      const state = capture(idem, d.ticket, policy, serverErrors, res, onError);
+      req[CRASHED] = () => { state.crashed = true; };
       return next();
     } catch (e) {
       onError(e);
@@ -133,11 +136,12 @@ function capture(idem, ticket, policy, serverErrors, res, onError) {
     return end.call(this, chunk, encoding, cb);
   };
   let settled = false;
+  const state = { crashed: false };
   const settle = (finished) => {
     if (settled) return;
     settled = true;
     try {
-      if (!finished) {
+      if (!finished || state.crashed) {
         // The handler gave no complete answer: it may or may not have taken effect.
         idem.fail(ticket, policy, { code: "no-response", message: "the handler gave no complete response" }, "outcome-unknown");
         return;
@@ -160,4 +164,22 @@ function capture(idem, ticket, policy, serverErrors, res, onError) {
   };
   res.on("finish", () => settle(true));
   res.on("close", () => settle(res.writableFinished));
+  return state;
+}
+
+/**
+ * The error handler to mount after the routes: a handler that failed
+ * (threw, or called next(err)) on a keyed request gave no complete answer,
+ * so the key's outcome is unknown, as in the proxy: the client gets 500
+ * `outcome-unknown` and duplicates 409 `outcome-unknown` until the lease
+ * ends (then the policy's `expired_lease` decides). Without it, Express's
+ * own 500 is an ordinary 5xx answer: not stored, and the retry runs again.
+ */
+export function idempotencyErrors() {
+  return function idemErrors(err, req, res, next) {
+    const crashed = req[CRASHED];
+    if (typeof crashed !== "function" || res.headersSent) return next(err);
+    crashed();
+    return send(res, problems.outcomeUnknown(500));
+  };
 }

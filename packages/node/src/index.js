@@ -8,4 +8,4 @@ export {
   makeIdempotent, IdempotencyError, IdempotencyInProgressError, IdempotencyKeyMismatchError,
   IdempotencyFailedError, IdempotencyOutcomeUnknownError, IdempotencyValidationError, IdempotencyLostOwnershipError,
 } from "./idempotent.js";
-export { idempotency } from "./express.js";
+export { idempotency, idempotencyErrors } from "./express.js";

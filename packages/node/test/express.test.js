@@ -4,7 +4,7 @@ import { after, before, test } from "node:test";
 
 import express from "express";
 
-import { idempotency } from "idem-engine";
+import { idempotency, idempotencyErrors } from "idem-engine";
 
 import { setup } from "./helpers.js";
 
@@ -35,6 +35,8 @@ before(async () => {
   app.post("/teapot", (req, res) => res.status(418).send("short and stout"));
   app.post("/flaky", (req, res) => res.status(503).send("try later"));
   app.get("/orders", (req, res) => res.json({ orders }));
+  app.post("/boom", () => { throw new Error("the handler crashed"); });
+  app.use(idempotencyErrors());
   await new Promise((resolve) => { server = app.listen(0, "127.0.0.1", resolve); });
   base = `http://127.0.0.1:${server.address().port}`;
 });
@@ -160,4 +162,11 @@ test("a store failure is 503 store-unavailable and nothing runs", async () => {
   } finally {
     s.close();
   }
+});
+
+test("a handler that fails leaves the outcome unknown: 500, then 409 outcome-unknown", async () => {
+  const first = await post("/boom", { key: "boom" });
+  await problem(first, 500, "outcome-unknown", "The outcome of the request is unknown");
+  const again = await post("/boom", { key: "boom" });
+  await problem(again, 409, "outcome-unknown", "The outcome of the request is unknown");
 });
