@@ -218,6 +218,77 @@ _t.RecordType.convert_to_c = _record_to_c
 _t.RecordType.convert_from_c = _record_from_c
 
 
+# The scalar conversions with one `contents` lookup instead of two and
+# plain integer kinds, and `option` without its generic case search.
+
+
+def _scalar(cls: type, kind: Any, field: str, check: type) -> None:
+    k = kind.value
+    tname = cls.__name__
+
+    def to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+        if not isinstance(val, check):
+            raise TypeError(f"expected {check.__name__} for {tname} type")
+        c = ptr.contents
+        c.kind = k
+        setattr(c.of, field, val)
+
+    cls.convert_to_c = to_c
+
+
+for _cls, _kind, _field, _check in ((_t.U8, ffi.WASMTIME_COMPONENT_U8, "u8", int),
+                                     (_t.U16, ffi.WASMTIME_COMPONENT_U16, "u16", int),
+                                     (_t.U32, ffi.WASMTIME_COMPONENT_U32, "u32", int),
+                                     (_t.U64, ffi.WASMTIME_COMPONENT_U64, "u64", int),
+                                     (_t.S32, ffi.WASMTIME_COMPONENT_S32, "s32", int),
+                                     (_t.S64, ffi.WASMTIME_COMPONENT_S64, "s64", int),
+                                     (_t.Bool, ffi.WASMTIME_COMPONENT_BOOL, "boolean", bool)):
+    _scalar(_cls, _kind, _field, _check)
+
+_STRING = ffi.WASMTIME_COMPONENT_STRING.value
+_ENUM = ffi.WASMTIME_COMPONENT_ENUM.value
+_OPTION = ffi.WASMTIME_COMPONENT_OPTION.value
+
+
+def _string_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    if not isinstance(val, str):
+        raise TypeError("expected string type")
+    c = ptr.contents
+    c.kind = _STRING
+    c.of.string = _bytes_vec(val.encode("utf-8"))
+
+
+def _enum_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    if not isinstance(val, str):
+        raise TypeError("expected str type")
+    c = ptr.contents
+    c.kind = _ENUM
+    c.of.enumeration = _bytes_vec(val.encode("utf-8"))
+
+
+_orig_option_to_c = _t.OptionType.convert_to_c
+
+
+def _option_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    if self._tagged():
+        return _orig_option_to_c(self, store, val, ptr)
+    c = ptr.contents
+    if val is None:
+        c.kind = _OPTION
+        c.of.option = None
+        return None
+    raw = ffi.wasmtime_component_val_t()
+    self.payload.convert_to_c(store, val, ctypes.pointer(raw))
+    c.kind = _OPTION
+    c.of.option = ffi.wasmtime_component_val_new(ctypes.byref(raw))
+    return None
+
+
+_t.String.convert_to_c = _string_to_c
+_t.EnumType.convert_to_c = _enum_to_c
+_t.OptionType.convert_to_c = _option_to_c
+
+
 class _Signature:
     """The parameter and result types of one function, asked once."""
 
