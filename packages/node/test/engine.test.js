@@ -187,3 +187,22 @@ test("the file has the Rust store's schema: version 1 and the unique index", () 
   assert.deepEqual(idx, ["idempotency_record_outcome_unknown", "idempotency_record_stale_processing", "idempotency_record_sweep", "sqlite_autoindex_idempotency_record_1"]);
   assert.equal(String(store.db.pragma("journal_mode", { simple: true })), "wal");
 });
+
+test("the business write and the completion commit together, or not at all", () => {
+  const { idem, store } = setup();
+  store.db.exec("CREATE TABLE orders (idem_key TEXT NOT NULL)");
+  const d = idem.begin({ ...key("k"), body: {} });
+  assert.throws(() => store.transaction((db) => {
+    db.prepare("INSERT INTO orders VALUES ('k')").run();
+    assert.equal(idem.complete(d.ticket, {}, { resultRef: "order-1" }), "recorded");
+    throw new Error("the business transaction fails after the completion");
+  }), /fails after the completion/);
+  assert.equal(Number(store.db.prepare("SELECT COUNT(*) AS n FROM orders").get().n), 0);
+  assert.equal(idem.inspect(key("k")).status, "processing");
+  store.transaction((db) => {
+    db.prepare("INSERT INTO orders VALUES ('k')").run();
+    assert.equal(idem.complete(d.ticket, {}, { resultRef: "order-1" }), "recorded");
+  });
+  assert.equal(Number(store.db.prepare("SELECT COUNT(*) AS n FROM orders").get().n), 1);
+  assert.equal(idem.begin({ ...key("k"), body: {} }).decision, "replay");
+});

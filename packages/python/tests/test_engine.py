@@ -163,3 +163,22 @@ def test_large_bodies_round_trip_exactly(env):
     env.idem.complete(d.ticket, response=Response(200, [("x-bin", bytes([0, 255, 10]))], body))
     r = env.idem.begin(S, B, "big", body=body)
     assert r.response.body == body and r.response.headers == [("x-bin", bytes([0, 255, 10]))]
+
+
+def test_business_write_and_completion_commit_together(env):
+    c = env.store.connection
+    c.execute("CREATE TABLE orders (idem_key TEXT NOT NULL)")
+    d = env.idem.begin(S, B, "k", body={})
+    with pytest.raises(RuntimeError):
+        with env.store.transaction() as conn:
+            conn.execute("INSERT INTO orders VALUES ('k')")
+            assert env.idem.complete(d.ticket, result_ref="order-1") == "recorded"
+            raise RuntimeError("the business transaction fails after the completion")
+    # Both rolled back: no row, and the key is still being processed.
+    assert c.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+    assert env.idem.inspect(S, B, "k")["status"] == "processing"
+    with env.store.transaction() as conn:
+        conn.execute("INSERT INTO orders VALUES ('k')")
+        assert env.idem.complete(d.ticket, result_ref="order-1") == "recorded"
+    assert c.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
+    assert env.idem.begin(S, B, "k", body={}).decision == "replay"
