@@ -1,8 +1,12 @@
 // Runs idem's conformance scenarios (../scenarios/*.json, ../fingerprints.json)
 // against the engine component, transpiled to JavaScript by jco, with a
-// store, a clock and a result lookup written here in JavaScript.
+// store, a clock and a result lookup in JavaScript. The host code (loading
+// the component, its imports) is the Node package's (packages/node/src).
 //
-//   node run.mjs PATH/TO/idem_guest.wasm
+//   node run.mjs PATH/TO/idem_guest.wasm                 the mock store below
+//   node run.mjs PATH/TO/idem_guest.wasm --store sqlite  the package's SQLite store,
+//                                                        one new file per scenario
+//                                                        (needs packages/node's npm ci)
 //
 // Prints the component's SHA-256, one line per failure, and
 // "N passed, M failed"; exits non-zero on any failure. The file format is
@@ -10,7 +14,8 @@
 
 import { execFileSync } from "node:child_process";
 import { createHash } from "node:crypto";
-import { readFileSync, readdirSync, mkdirSync, rmSync } from "node:fs";
+import { mkdtempSync, readFileSync, readdirSync, mkdirSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath, pathToFileURL } from "node:url";
 
@@ -26,7 +31,11 @@ const I64_MAX = (1n << 63n) - 1n;
 
 // ------------------------------------------------------------ loading the component
 
-const wasmPath = resolve(process.argv[2] ?? join(conformance, "../../target/idem_guest.wasm"));
+const args = process.argv.slice(2);
+const storeKind = args.includes("--store") ? args[args.indexOf("--store") + 1] : "mock";
+if (storeKind !== "mock" && storeKind !== "sqlite") throw new Error(`--store must be mock or sqlite, not ${storeKind}`);
+const wasmArg = args.find((a, i) => !a.startsWith("--") && args[i - 1] !== "--store");
+const wasmPath = resolve(wasmArg ?? join(conformance, "../../target/idem_guest.wasm"));
 const wasm = readFileSync(wasmPath);
 const outDir = join(here, "out");
 rmSync(outDir, { recursive: true, force: true });
@@ -37,30 +46,22 @@ execFileSync(
     "--name", "idem", "--instantiation", "sync", "--no-typescript", "--quiet", "-o", outDir],
   { stdio: "inherit" },
 );
-const { instantiate } = await import(pathToFileURL(join(outDir, "idem.js")).href);
-const coreModules = new Map();
-const getCoreModule = (name) => {
-  if (!coreModules.has(name)) coreModules.set(name, new WebAssembly.Module(readFileSync(join(outDir, name))));
-  return coreModules.get(name);
-};
+const packageSrc = resolve(conformance, "../../packages/node/src");
+const { StoreError, instantiateEngine, loadComponent } = await import(pathToFileURL(join(packageSrc, "host.js")).href);
+const component = await loadComponent(outDir);
+const SqliteStore = storeKind === "sqlite" ? (await import(pathToFileURL(join(packageSrc, "sqlite.js")).href)).SqliteStore : null;
+const sqliteDir = storeKind === "sqlite" ? mkdtempSync(join(tmpdir(), "idem-conformance-")) : null;
+let sqliteFiles = 0;
 
 // ------------------------------------------------------------ the host: store, clock, results
-
-class StoreFailure {
-  constructor(kind, message) {
-    this.payload = { tag: kind, val: message };
-  }
-}
 
 const keyId = (k) => JSON.stringify([k.scope, k.bizType, k.idemKey]);
 const copy = (v) => (v === undefined ? undefined : structuredClone(v));
 const isSettled = (s) => s === "succeeded" || s === "failed" || s === "released";
 
-/** An in-memory store with the semantics of wit/store.wit and the mock's fault injection. */
-class MockStore {
+/** The mock's fault injection: the next `count` calls of `op` (null: any) fail as `kind`. */
+class Faults {
   constructor() {
-    this.records = new Map();
-    this.lastId = 0n;
     this.faults = [];
   }
 
@@ -74,17 +75,43 @@ class MockStore {
     const fault = this.faults[i];
     fault.remaining -= 1;
     if (fault.remaining === 0) this.faults.splice(i, 1);
-    if (fault.kind === "unavailable") throw new StoreFailure("unavailable", `injected fault: ${op} unavailable`);
-    if (fault.kind === "internal") throw new StoreFailure("internal", `injected fault: ${op} internal error`);
+    if (fault.kind === "unavailable") throw new StoreError("unavailable", `injected fault: ${op} unavailable`);
+    if (fault.kind === "internal") throw new StoreError("internal", `injected fault: ${op} internal error`);
     f();
-    throw new StoreFailure("unavailable", `injected fault: ${op} acknowledgement lost`);
+    throw new StoreError("unavailable", `injected fault: ${op} acknowledgement lost`);
+  }
+}
+
+/** An in-memory store with the semantics of wit/store.wit. */
+class MockStore {
+  constructor(faults) {
+    this.records = new Map();
+    this.lastId = 0n;
+    this.faults = faults;
+  }
+
+  run(op, f) {
+    return this.faults.run(op, f);
+  }
+
+  count() {
+    return this.records.size;
+  }
+
+  tamper(k, set) {
+    const rec = this.records.get(keyId(k));
+    if (!rec) throw new Error("no record to tamper with");
+    if ("lease-until" in set) rec.leaseUntil = set["lease-until"] === null ? undefined : T0 + BigInt(set["lease-until"]);
+    if ("fingerprint" in set) rec.fingerprint = str(set.fingerprint);
+    if ("fingerprint-version" in set) rec.fingerprintVersion = set["fingerprint-version"];
+    rec.revision += 1n;
   }
 
   static checkFits(r) {
     for (const [name, v] of [["fencing-token", r.fencingToken], ["revision", r.revision], ["lease-until", r.leaseUntil],
       ["created-at", r.createdAt], ["updated-at", r.updatedAt], ["expires-at", r.expiresAt]]) {
       if (v !== undefined && v !== null && v > I64_MAX) {
-        throw new StoreFailure("rejected", `${name} is above i64::MAX, which a SQL store cannot hold`);
+        throw new StoreError("rejected", `${name} is above i64::MAX, which a SQL store cannot hold`);
       }
     }
   }
@@ -138,16 +165,54 @@ class MockStore {
 
 const cmp = (a, b) => (a < b ? -1 : a > b ? 1 : 0);
 
+/** The package's SQLite store, one new file per scenario, behind the same fault injection. */
+class SqliteBacked {
+  constructor(faults) {
+    this.faults = faults;
+    sqliteFiles += 1;
+    this.sqlite = new SqliteStore(join(sqliteDir, `scenario-${sqliteFiles}.db`));
+  }
+
+  count() {
+    return this.sqlite.count();
+  }
+
+  tamper(k, set) {
+    const sets = [];
+    const params = [];
+    if ("lease-until" in set) { sets.push("lease_until = ?"); params.push(set["lease-until"] === null ? null : T0 + BigInt(set["lease-until"])); }
+    if ("fingerprint" in set) { sets.push("request_hash = ?"); params.push(str(set.fingerprint)); }
+    if ("fingerprint-version" in set) { sets.push("fingerprint_version = ?"); params.push(BigInt(set["fingerprint-version"])); }
+    sets.push("revision = revision + 1");
+    const changed = this.sqlite.db.prepare(`UPDATE idempotency_record SET ${sets.join(", ")} WHERE scope_key = ? AND biz_type = ? AND idem_key = ?`)
+      .run(...params, k.scope, k.bizType, k.idemKey).changes;
+    if (changed !== 1) throw new Error("no record to tamper with");
+  }
+
+  imports() {
+    const s = this.sqlite;
+    return {
+      insertIfAbsent: (c) => this.faults.run("insert-if-absent", () => s.insertIfAbsent(c)),
+      get: (k) => this.faults.run("get", () => s.get(k)),
+      compareAndSwap: (r, x) => this.faults.run("compare-and-swap", () => s.compareAndSwap(r, x)),
+      deleteExpired: (n, l) => this.faults.run("delete-expired", () => s.deleteExpired(n, l)),
+      listStale: (b, n, l) => this.faults.run("list-stale", () => s.listStale(b, n, l)),
+    };
+  }
+}
+
 /** The host side of one scenario: store, virtual clock, result lookup, and the component's instances. */
 class Host {
   constructor() {
-    this.store = new MockStore();
+    const faults = new Faults();
+    this.store = storeKind === "sqlite" ? new SqliteBacked(faults) : new MockStore(faults);
+    this.faults = faults;
     this.now = T0;
     this.pauseHook = null;
     this.found = new Map();
     this.failing = false;
-    const store = this.store.imports();
-    const clock = {
+    this.storeImports = this.store.imports();
+    this.clock = {
       now: () => this.now,
       pause: (duration) => {
         this.now += duration;
@@ -156,24 +221,17 @@ class Host {
         if (hook) hook();
       },
     };
-    const results = {
+    this.results = {
       findResult: (key) => {
-        if (this.failing) throw new StoreFailure("unavailable", "the business database is down");
+        if (this.failing) throw new StoreError("unavailable", "the business database is down");
         return this.found.get(keyId(key));
       },
-    };
-    this.imports = {
-      "idem:engine/store": store, "idem:engine/store@0.1.0": store,
-      "idem:engine/clock": clock, "idem:engine/clock@0.1.0": clock,
-      "idem:engine/results": results, "idem:engine/results@0.1.0": results,
-      "idem:engine/types": {}, "idem:engine/types@0.1.0": {},
     };
     this.engine = this.instance();
   }
 
   instance() {
-    const exports = instantiate(getCoreModule, this.imports);
-    return exports.engine ?? exports["idem:engine/engine@0.1.0"];
+    return instantiateEngine(component, { store: this.storeImports, clock: this.clock, results: this.results });
   }
 }
 
@@ -426,27 +484,21 @@ class Ctx {
       case "inspect":
         return call(() => e.inspect(key(step.key)), statusJson);
       case "records":
-        return { count: this.host.store.records.size };
+        return { count: this.host.store.count() };
       case "clock":
         if ("advance" in step) this.host.now += BigInt(step.advance);
         else this.host.now = T0 + BigInt(step.set);
         return undefined;
       case "fault":
-        this.host.store.inject(step["store-op"] === "any" ? null : step["store-op"], step.kind, step.count ?? 1);
+        this.host.faults.inject(step["store-op"] === "any" ? null : step["store-op"], step.kind, step.count ?? 1);
         return undefined;
       case "results":
         if (step.found) this.host.found.set(keyId(key(step.found.key)), str(step.found["result-ref"]));
         if (typeof step.failing === "boolean") this.host.failing = step.failing;
         return undefined;
-      case "tamper": {
-        const rec = this.host.store.records.get(keyId(key(step.key)));
-        if (!rec) throw new Error("no record to tamper with");
-        if ("lease-until" in step.set) rec.leaseUntil = step.set["lease-until"] === null ? undefined : T0 + BigInt(step.set["lease-until"]);
-        if ("fingerprint" in step.set) rec.fingerprint = str(step.set.fingerprint);
-        if ("fingerprint-version" in step.set) rec.fingerprintVersion = step.set["fingerprint-version"];
-        rec.revision += 1n;
+      case "tamper":
+        this.host.store.tamper(key(step.key), step.set);
         return undefined;
-      }
       default:
         throw new Error(`unknown op ${step.op}`);
     }
@@ -538,7 +590,7 @@ function runPair(pair) {
   }
 }
 
-console.log(`component sha256 ${createHash("sha256").update(wasm).digest("hex")} (${wasm.length} bytes); host node ${process.version} with jco`);
+console.log(`component sha256 ${createHash("sha256").update(wasm).digest("hex")} (${wasm.length} bytes); host node ${process.version} with jco; store ${storeKind === "sqlite" ? "SQLite (the package's)" : "mock"}`);
 let passed = 0;
 let failed = 0;
 const tally = (name, f) => {
@@ -547,7 +599,7 @@ const tally = (name, f) => {
     passed += 1;
   } catch (err) {
     failed += 1;
-    console.log(`FAIL [node] ${name}: ${err.message}`);
+    console.log(`FAIL [node, ${storeKind}] ${name}: ${err.message}`);
   }
 };
 const dir = join(conformance, "scenarios");
@@ -562,4 +614,5 @@ for (const p of vectors.pairs) {
   tally(`fingerprint ${p.name}`, () => runPair(p));
 }
 console.log(`${passed} passed, ${failed} failed`);
+if (sqliteDir) rmSync(sqliteDir, { recursive: true, force: true });
 process.exit(failed > 0 || passed === 0 ? 1 : 0);

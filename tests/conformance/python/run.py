@@ -1,8 +1,12 @@
 """Runs idem's conformance scenarios (../scenarios/*.json, ../fingerprints.json)
 against the engine component on Wasmtime's Python component API, with a
-store, a clock and a result lookup written here in Python.
+store, a clock and a result lookup in Python. The host code (loading the
+component, its imports, the marshalling) is the Python package's
+(packages/python/src/idem).
 
-    python run.py PATH/TO/idem_guest.wasm
+    python run.py PATH/TO/idem_guest.wasm                  the mock store below
+    python run.py PATH/TO/idem_guest.wasm --store sqlite   the package's SQLite store,
+                                                           one new file per scenario
 
 Prints the component's SHA-256, one line per failure, and
 "N passed, M failed"; exits non-zero on any failure. The file format is
@@ -12,16 +16,20 @@ described in ../README.md.
 import hashlib
 import importlib.metadata
 import json
+import shutil
 import struct
 import sys
+import tempfile
 from pathlib import Path
-
-import wasmtime
-from wasmtime.component import Component, Linker, Record, Variant
-from wasmtime.component._types import ResultType
 
 HERE = Path(__file__).resolve().parent
 CONFORMANCE = HERE.parent
+sys.path.insert(0, str(CONFORMANCE.parent.parent / "packages" / "python" / "src"))
+
+from wasmtime.component import Record, Variant  # noqa: E402
+
+from idem._host import Exports, Runtime, StoreError, get, record  # noqa: E402
+from idem.sqlite import SqliteStore  # noqa: E402
 
 # Every scenario's clock starts here (2026-01-01T00:00:00Z); file times are
 # relative to it.
@@ -30,35 +38,6 @@ DEFAULT_SCOPE = "tenant-1"
 DEFAULT_BIZ_TYPE = "order.create"
 # The largest integer a SQL store holds: the mock refuses more, as they do.
 I64_MAX = (1 << 63) - 1
-PACKAGE = "idem:engine/{}@0.1.0"
-
-# wasmtime-py represents a `result` untagged (the bare ok or err value) when
-# the Python classes of its two cases do not overlap. For
-# `result<option<T>, store-error>` (store.get, results.find-result) that
-# makes the err case impossible to return: None's class, `object`, matches
-# every value, so an error is lowered as the ok case and fails. Tagging every
-# result (`Variant("ok", v)` / `Variant("err", e)`) removes the ambiguity.
-ResultType._tagged = lambda self: True  # type: ignore[method-assign]
-
-
-def ok(value):
-    return Variant("ok", value)
-
-
-def err(kind, message):
-    return Variant("err", Variant(kind, message))
-
-
-def record(**fields):
-    """A component record; Python names map to WIT names (`_` is `-`)."""
-    r = Record()
-    for name, value in fields.items():
-        setattr(r, name.replace("_", "-"), value)
-    return r
-
-
-def get(r, name):
-    return getattr(r, name)
 
 
 def copy_record(r):
@@ -79,22 +58,13 @@ def key_id(k):
     return (get(k, "scope"), get(k, "biz-type"), get(k, "idem-key"))
 
 
-class StoreFailure(Exception):
-    def __init__(self, kind, message):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
 SETTLED = ("succeeded", "failed", "released")
 
 
-class MockStore:
-    """An in-memory store with the semantics of wit/store.wit and the mock's fault injection."""
+class Faults:
+    """The mock's fault injection: the next `count` calls of `op` (None: any) fail as `kind`."""
 
     def __init__(self):
-        self.records = {}
-        self.last_id = 0
         self.faults = []
 
     def inject(self, op, kind, count):
@@ -111,18 +81,46 @@ class MockStore:
         if fault["remaining"] == 0:
             del self.faults[i]
         if fault["kind"] == "unavailable":
-            raise StoreFailure("unavailable", f"injected fault: {op} unavailable")
+            raise StoreError("unavailable", f"injected fault: {op} unavailable")
         if fault["kind"] == "internal":
-            raise StoreFailure("internal", f"injected fault: {op} internal error")
+            raise StoreError("internal", f"injected fault: {op} internal error")
         f()
-        raise StoreFailure("unavailable", f"injected fault: {op} acknowledgement lost")
+        raise StoreError("unavailable", f"injected fault: {op} acknowledgement lost")
+
+
+class MockStore:
+    """An in-memory store with the semantics of wit/store.wit."""
+
+    def __init__(self, faults):
+        self.records = {}
+        self.last_id = 0
+        self.faults = faults
+
+    def run(self, op, f):
+        return self.faults.run(op, f)
+
+    def count(self):
+        return len(self.records)
+
+    def tamper(self, k, changes):
+        rec = self.records.get(key_id(k))
+        if rec is None:
+            raise ValueError("no record to tamper with")
+        if "lease-until" in changes:
+            lease = changes["lease-until"]
+            setattr(rec, "lease-until", None if lease is None else T0 + lease)
+        if "fingerprint" in changes:
+            setattr(rec, "fingerprint", changes["fingerprint"])
+        if "fingerprint-version" in changes:
+            setattr(rec, "fingerprint-version", changes["fingerprint-version"])
+        rec.revision += 1
 
     @staticmethod
     def check_fits(r):
         for name in ("fencing-token", "revision", "lease-until", "created-at", "updated-at", "expires-at"):
             v = get(r, name)
             if v is not None and v > I64_MAX:
-                raise StoreFailure("rejected", f"{name} is above i64::MAX, which a SQL store cannot hold")
+                raise StoreError("rejected", f"{name} is above i64::MAX, which a SQL store cannot hold")
 
     def insert_if_absent(self, candidate):
         self.check_fits(candidate)
@@ -188,93 +186,108 @@ class MockStore:
         return self.run("list-stale", op)
 
 
-class Host:
-    """The host side of one scenario: store, virtual clock, result lookup, and the component's instances."""
+class SqliteBacked:
+    """The package's SQLite store, one new file per scenario, behind the same fault injection."""
 
-    def __init__(self, runtime):
-        self.runtime = runtime
-        self.store = MockStore()
-        self.now = T0
-        self.pause_hook = None
-        self.found = {}
-        self.failing = False
-        self.wasm_store = wasmtime.Store(runtime.engine)
-        self.engine = self.instance()
+    def __init__(self, faults, path):
+        self.faults = faults
+        self.sqlite = SqliteStore(str(path))
 
-    def instance(self):
-        return Exports(self.runtime, self.wasm_store, self.runtime.linker_for(self))
+    def count(self):
+        return self.sqlite.count()
+
+    def tamper(self, k, changes):
+        sets, params = [], []
+        if "lease-until" in changes:
+            lease = changes["lease-until"]
+            sets.append("lease_until = ?")
+            params.append(None if lease is None else T0 + lease)
+        if "fingerprint" in changes:
+            sets.append("request_hash = ?")
+            params.append(changes["fingerprint"])
+        if "fingerprint-version" in changes:
+            sets.append("fingerprint_version = ?")
+            params.append(changes["fingerprint-version"])
+        sets.append("revision = revision + 1")
+        cur = self.sqlite.connection.execute(
+            f"UPDATE idempotency_record SET {', '.join(sets)} WHERE scope_key = ? AND biz_type = ? AND idem_key = ?",
+            (*params, k.scope, get(k, "biz-type"), get(k, "idem-key")))
+        if cur.rowcount != 1:
+            raise ValueError("no record to tamper with")
+
+    def insert_if_absent(self, c):
+        return self.faults.run("insert-if-absent", lambda: self.sqlite.insert_if_absent(c))
+
+    def get(self, k):
+        return self.faults.run("get", lambda: self.sqlite.get(k))
+
+    def compare_and_swap(self, rev, r):
+        return self.faults.run("compare-and-swap", lambda: self.sqlite.compare_and_swap(rev, r))
+
+    def delete_expired(self, now, limit):
+        return self.faults.run("delete-expired", lambda: self.sqlite.delete_expired(now, limit))
+
+    def list_stale(self, biz_type, now, limit):
+        return self.faults.run("list-stale", lambda: self.sqlite.list_stale(biz_type, now, limit))
 
 
-def guarded(f):
-    """Turns a StoreFailure into the store-error result, and a value into ok."""
+class Clock:
+    """The host's virtual clock; `pause` runs the scenario's pause hook once."""
 
-    def call(_store, *args):
-        try:
-            return ok(f(*args))
-        except StoreFailure as e:
-            return err(e.kind, e.message)
+    def __init__(self, host):
+        self.host = host
 
-    return call
-
-
-class Runtime:
-    """One Wasmtime engine and the compiled component, shared by every scenario."""
-
-    def __init__(self, wasm_path):
-        self.engine = wasmtime.Engine()
-        self.component = Component.from_file(self.engine, str(wasm_path))
-        self.current = None
-        self.linker = Linker(self.engine)
-        with self.linker.root() as root:
-            with root.add_instance(PACKAGE.format("store")) as s:
-                s.add_func("insert-if-absent", guarded(lambda c: self.current.store.insert_if_absent(c)))
-                s.add_func("get", guarded(lambda k: self.current.store.get(k)))
-                s.add_func("compare-and-swap", guarded(lambda rev, r: self.current.store.compare_and_swap(rev, r)))
-                s.add_func("delete-expired", guarded(lambda now, limit: self.current.store.delete_expired(now, limit)))
-                s.add_func("list-stale", guarded(lambda b, now, limit: self.current.store.list_stale(b, now, limit)))
-            with root.add_instance(PACKAGE.format("clock")) as c:
-                c.add_func("now", lambda _s: self.current.now)
-                c.add_func("pause", lambda _s, d: self.pause(d))
-            with root.add_instance(PACKAGE.format("results")) as r:
-                r.add_func("find-result", guarded(lambda k: self.find_result(k)))
-
-    def linker_for(self, host):
-        self.current = host
-        return self.linker
+    def now(self):
+        return self.host.now
 
     def pause(self, duration):
-        host = self.current
+        host = self.host
         host.now += duration
         hook, host.pause_hook = host.pause_hook, None
         if hook is not None:
             hook()
 
+
+class Results:
+    def __init__(self, host):
+        self.host = host
+
     def find_result(self, key):
-        host = self.current
-        if host.failing:
-            raise StoreFailure("unavailable", "the business database is down")
-        return host.found.get(key_id(key))
+        if self.host.failing:
+            raise StoreError("unavailable", "the business database is down")
+        return self.host.found.get(key_id(key))
 
 
-class Exports:
-    """The engine interface of one instance of the component."""
+class Host:
+    """The host side of one scenario: store, virtual clock, result lookup, and the component's instances."""
 
-    def __init__(self, runtime, store, linker):
-        self.store = store
-        instance = linker.instantiate(store, runtime.component)
-        iface = instance.get_export_index(store, PACKAGE.format("engine"))
-        self.funcs = {}
-        for name in ("begin", "complete", "fail", "extend", "reconcile", "sweep", "inspect"):
-            index = instance.get_export_index(store, name, iface)
-            self.funcs[name] = instance.get_func(store, index)
+    def __init__(self, runtime):
+        self.runtime = runtime.runtime
+        self.faults = Faults()
+        if runtime.sqlite_dir is not None:
+            runtime.files += 1
+            self.store = SqliteBacked(self.faults, runtime.sqlite_dir / f"scenario-{runtime.files}.db")
+        else:
+            self.store = MockStore(self.faults)
+        self.now = T0
+        self.pause_hook = None
+        self.found = {}
+        self.failing = False
+        self.linker = self.runtime.linker(self.store, Clock(self), Results(self))
+        self.engine = self.instance()
 
-    def call(self, name, *args):
-        f = self.funcs[name]
-        try:
-            result = f(self.store, *args)
-        finally:
-            f.post_return(self.store)
-        return result
+    def instance(self):
+        """A new instance of the component over this host, in its own Wasmtime store."""
+        return Exports(self.runtime, self.linker)
+
+
+class Runner:
+    """The package's runtime (the compiled component) and where SQLite files go."""
+
+    def __init__(self, wasm_path, store_kind):
+        self.runtime = Runtime.get(wasm_path)
+        self.sqlite_dir = Path(tempfile.mkdtemp(prefix="idem-conformance-")) if store_kind == "sqlite" else None
+        self.files = 0
 
 
 # ------------------------------------------------------------ reading scenario values
@@ -570,7 +583,7 @@ class Ctx:
         if op == "inspect":
             return outcome(e.call("inspect", key(step["key"])), status_json)
         if op == "records":
-            return {"count": len(self.host.store.records)}
+            return {"count": self.host.store.count()}
         if op == "clock":
             if "advance" in step:
                 self.host.now += step["advance"]
@@ -579,7 +592,7 @@ class Ctx:
             return NO_RESULT
         if op == "fault":
             store_op = None if step["store-op"] == "any" else step["store-op"]
-            self.host.store.inject(store_op, step["kind"], step.get("count", 1))
+            self.host.faults.inject(store_op, step["kind"], step.get("count", 1))
             return NO_RESULT
         if op == "results":
             if "found" in step:
@@ -588,17 +601,7 @@ class Ctx:
                 self.host.failing = step["failing"]
             return NO_RESULT
         if op == "tamper":
-            rec = self.host.store.records.get(key_id(key(step["key"])))
-            if rec is None:
-                raise ValueError("no record to tamper with")
-            if "lease-until" in step["set"]:
-                lease = step["set"]["lease-until"]
-                setattr(rec, "lease-until", None if lease is None else T0 + lease)
-            if "fingerprint" in step["set"]:
-                setattr(rec, "fingerprint", step["set"]["fingerprint"])
-            if "fingerprint-version" in step["set"]:
-                setattr(rec, "fingerprint-version", step["set"]["fingerprint-version"])
-            rec.revision += 1
+            self.host.store.tamper(key(step["key"]), step["set"])
             return NO_RESULT
         raise ValueError(f"unknown op {op}")
 
@@ -610,7 +613,7 @@ class Ctx:
         second = Ctx(self.host, {})
         second.__dict__.update(self.__dict__)
         # A second store of the Wasmtime engine: the first is inside a call.
-        second.engine = Exports(self.host.runtime, wasmtime.Store(self.host.runtime.engine), self.host.runtime.linker)
+        second.engine = self.host.instance()
         errors = []
 
         def hook():
@@ -683,11 +686,20 @@ def run_pair(runtime, pair):
 
 
 def main(argv):
-    wasm_path = Path(argv[1] if len(argv) > 1 else CONFORMANCE / "../../target/idem_guest.wasm").resolve()
+    args = argv[1:]
+    store_kind = "mock"
+    if "--store" in args:
+        i = args.index("--store")
+        store_kind = args[i + 1]
+        del args[i:i + 2]
+    if store_kind not in ("mock", "sqlite"):
+        raise ValueError(f"--store must be mock or sqlite, not {store_kind}")
+    wasm_path = Path(args[0] if args else CONFORMANCE / "../../target/idem_guest.wasm").resolve()
     wasm = wasm_path.read_bytes()
     print(f"component sha256 {hashlib.sha256(wasm).hexdigest()} ({len(wasm)} bytes); "
-          f"host python {sys.version.split()[0]} with wasmtime {importlib.metadata.version('wasmtime')}")
-    runtime = Runtime(wasm_path)
+          f"host python {sys.version.split()[0]} with wasmtime {importlib.metadata.version('wasmtime')}; "
+          f"store {'SQLite (the package' + chr(39) + 's)' if store_kind == 'sqlite' else 'mock'}")
+    runtime = Runner(wasm_path, store_kind)
     passed = failed = 0
 
     def tally(name, f):
@@ -697,7 +709,7 @@ def main(argv):
             passed += 1
         except Exception as ex:  # noqa: BLE001 - every failure is reported and counted
             failed += 1
-            print(f"FAIL [python] {name}: {ex}")
+            print(f"FAIL [python, {store_kind}] {name}: {ex}")
 
     for file in sorted((CONFORMANCE / "scenarios").glob("*.json")):
         for s in json.loads(file.read_text(encoding="utf-8"))["scenarios"]:
@@ -709,6 +721,8 @@ def main(argv):
     for p in vectors["pairs"]:
         tally(f"fingerprint {p['name']}", lambda p=p: run_pair(runtime, p))
     print(f"{passed} passed, {failed} failed")
+    if runtime.sqlite_dir is not None:
+        shutil.rmtree(runtime.sqlite_dir, ignore_errors=True)
     return 1 if failed or not passed else 0
 
 

@@ -1,0 +1,126 @@
+"""Per-call cost of a replay: idem's ``begin`` (the Python package: the engine
+component on wasmtime-py, the SQLite store) against Powertools' cache
+(Redis) persistence layer doing the same job (an ``@idempotent_function``
+call whose key is already completed), in the same run.
+
+    pip install 'idem-engine[bench]'   (aws-lambda-powertools[redis], redis)
+    python bench/replay.py [--calls 5000] [--redis redis://127.0.0.1:6379/0]
+
+Also breaks down a 1 KiB-body replay: where wasmtime-py spends the time on
+``list<u8>`` with and without the package's bulk conversion. Not run by CI.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+
+def measure(name, f, calls):
+    for _ in range(min(200, calls)):
+        f()
+    samples = []
+    start = time.perf_counter()
+    for _ in range(calls):
+        t = time.perf_counter_ns()
+        f()
+        samples.append(time.perf_counter_ns() - t)
+    total = time.perf_counter() - start
+    samples.sort()
+    p50 = samples[len(samples) // 2] / 1000
+    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))] / 1000
+    print(f"{name:<58} {calls / total:>10.0f} ops/s   p50 {p50:>8.1f} us   p99 {p99:>8.1f} us", flush=True)
+    return {"name": name, "ops_per_s": calls / total, "p50_us": p50, "p99_us": p99}
+
+
+def idem_side(calls, body_bytes):
+    from idem import Idem, Response, SqliteStore
+
+    path = os.path.join(tempfile.mkdtemp(prefix="idem-bench-"), "idem.db")
+    idem = Idem(SqliteStore(path))
+    payload = json.dumps({"sku": "A1", "qty": 2, "note": "x" * max(0, body_bytes - 40)}).encode()
+    stored = b"y" * body_bytes
+    key = f"bench-{uuid.uuid4()}"
+    d = idem.begin("tenant-1", "order.create", key, body=payload, body_kind="json")
+    assert d.decision == "execute"
+    idem.complete(d.ticket, result_ref="order-1",
+                  response=Response(201, [("content-type", b"application/json")], stored))
+
+    def replay():
+        r = idem.begin("tenant-1", "order.create", key, body=payload, body_kind="json")
+        if r.decision != "replay":
+            raise AssertionError(r)
+
+    return measure(f"idem begin, replay ({len(payload)} B request, {body_bytes} B response)", replay, calls)
+
+
+def powertools_side(calls, body_bytes, url):
+    os.environ.setdefault("AWS_LAMBDA_FUNCTION_NAME", "idem-bench")
+    from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idempotent_function
+    from aws_lambda_powertools.utilities.idempotency.persistence.cache import CachePersistenceLayer
+
+    layer = CachePersistenceLayer(url=url)
+    config = IdempotencyConfig(use_local_cache=False, expires_after_seconds=3600)
+    stored = "y" * body_bytes
+    runs = []
+
+    @idempotent_function(data_keyword_argument="order", persistence_store=layer, config=config)
+    def create(order):
+        runs.append(1)
+        return {"status": 201, "body": stored}
+
+    order = {"id": str(uuid.uuid4()), "sku": "A1", "qty": 2, "note": "x" * max(0, body_bytes - 80)}
+    create(order=order)
+
+    def replay():
+        create(order=order)
+
+    result = measure(f"Powertools CachePersistenceLayer (Redis), replay ({body_bytes} B)", replay, calls)
+    if len(runs) != 1:
+        raise AssertionError(f"Powertools ran the function {len(runs)} times")
+    return result
+
+
+def list_u8_breakdown(calls):
+    """The cost of one 1 KiB list<u8> in begin's request, with wasmtime-py's
+    own per-element conversion and with the package's bulk conversion."""
+    import idem._host as host
+    from wasmtime.component._types import ListType
+
+    fast = (ListType.convert_to_c, ListType.convert_from_c)
+    results = []
+    for label, (to_c, from_c) in (("wasmtime-py per element", (host._orig_to_c, host._orig_from_c)),
+                                  ("bulk (idem package)", fast)):
+        ListType.convert_to_c, ListType.convert_from_c = to_c, from_c
+        try:
+            results.append(idem_side(max(50, calls // (20 if "element" in label else 1)), 1024) | {"conversion": label})
+            print(f"    ^ list<u8> conversion: {label}", flush=True)
+        finally:
+            ListType.convert_to_c, ListType.convert_from_c = fast
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--json", help="also write the results here")
+    a = ap.parse_args()
+    print(f"python {sys.version.split()[0]}", flush=True)
+    out = [idem_side(a.calls, 16), idem_side(a.calls, 1024)]
+    try:
+        out += [powertools_side(a.calls, 16, a.redis), powertools_side(a.calls, 1024, a.redis)]
+    except ImportError as e:
+        print(f"Powertools is not installed ({e}): pip install 'idem-engine[bench]'", flush=True)
+    out += list_u8_breakdown(a.calls)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

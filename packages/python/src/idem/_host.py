@@ -1,0 +1,602 @@
+"""The host side of the engine component on Wasmtime's Python component API:
+loading the component, the import functions (store, clock, results), the
+conversion of values, and the policy in the Rust crate's field names.
+
+The conformance runner (tests/conformance/python/run.py) builds its mock
+store on these functions: there is one copy of the marshalling.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+import wasmtime
+from wasmtime import _ffi as ffi
+from wasmtime.component import Component, Linker, Record, Variant
+from wasmtime.component._types import ListType, ResultType
+
+PACKAGE = "idem:engine/{}@0.1.0"
+# The largest integer a SQL column holds.
+I64_MAX = (1 << 63) - 1
+
+# wasmtime-py represents a `result` untagged (the bare ok or err value) when
+# the Python classes of its two cases do not overlap. For
+# `result<option<T>, store-error>` (store.get, results.find-result) that
+# makes the err case impossible to return: None's class, `object`, matches
+# every value, so an error is lowered as the ok case and fails. Tagging every
+# result (`Variant("ok", v)` / `Variant("err", e)`) removes the ambiguity.
+ResultType._tagged = lambda self: True  # type: ignore[method-assign]
+
+# ------------------------------------------------------------ list<u8> fast path
+#
+# wasmtime-py converts a `list<u8>` one element at a time through ctypes
+# (a pointer object and two attribute writes per byte: about 4 us a byte).
+# Here a byte string is laid out as the C array of `wasmtime_component_val_t`
+# in one pass of slice assignments, and read back the same way.
+
+_VAL = ffi.wasmtime_component_val_t
+_VAL_SIZE = ctypes.sizeof(_VAL)
+_VAL_OF = _VAL.of.offset
+_U8_KIND = ffi.WASMTIME_COMPONENT_U8.value
+_orig_to_c = ListType.convert_to_c
+_orig_from_c = ListType.convert_from_c
+
+
+def _is_bytes(self: ListType) -> bool:
+    # `element` asks the C API for a new type object each time: ask once.
+    cached = self.__dict__.get("_idem_is_bytes")
+    if cached is None:
+        cached = self._is_bytes()
+        self.__dict__["_idem_is_bytes"] = cached
+    return cached
+
+
+def _bytes_to_c(self: ListType, store: Any, val: Any, ptr: Any) -> None:
+    if not (isinstance(val, (bytes, bytearray, memoryview)) and _is_bytes(self)):
+        return _orig_to_c(self, store, val, ptr)
+    data = bytes(val)
+    n = len(data)
+    raw = ffi.wasmtime_component_vallist_t()
+    ffi.wasmtime_component_vallist_new_uninit(raw, n)
+    if n:
+        buf = bytearray(n * _VAL_SIZE)
+        buf[0::_VAL_SIZE] = bytes((_U8_KIND,)) * n
+        buf[_VAL_OF::_VAL_SIZE] = data
+        ctypes.memmove(raw.data, (ctypes.c_char * len(buf)).from_buffer(buf), len(buf))
+    ptr.contents.kind = ffi.WASMTIME_COMPONENT_LIST
+    ptr.contents.of.list = raw
+    return None
+
+
+def _bytes_from_c(self: ListType, c: Any) -> Any:
+    if not _is_bytes(self):
+        return _orig_from_c(self, c)
+    n = c.of.list.size
+    try:
+        if n == 0:
+            return b""
+        address = ctypes.cast(c.of.list.data, ctypes.c_void_p).value
+        return ctypes.string_at(address, n * _VAL_SIZE)[_VAL_OF::_VAL_SIZE]
+    finally:
+        ffi.wasmtime_component_vallist_delete(ctypes.byref(c.of.list))
+
+
+ListType.convert_to_c = _bytes_to_c  # type: ignore[method-assign]
+ListType.convert_from_c = _bytes_from_c  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------ cached types
+#
+# wasmtime-py asks the C API for every function's type, and for each
+# record's fields, variant's cases, list's element, ... on every call and
+# every conversion: thousands of FFI calls and type objects per `begin`
+# (about 8 ms a call). Types never change, so they are asked once: each
+# type object keeps what it was told, and the functions below keep the type
+# of each export and import.
+
+from wasmtime.component import _types as _t  # noqa: E402
+from wasmtime.component._enter import catch_exceptions, enter_wasm  # noqa: E402
+
+
+def _memo_property(cls: type, name: str) -> None:
+    getter = getattr(cls, name).fget
+    slot = f"_idem_{name}"
+
+    def cached(self: Any) -> Any:
+        d = self.__dict__
+        if slot not in d:
+            d[slot] = getter(self)
+        return d[slot]
+
+    setattr(cls, name, property(cached))
+
+
+def _memo_method(cls: type, name: str) -> None:
+    method = getattr(cls, name)
+    slot = f"_idem_{name}"
+
+    def cached(self: Any) -> Any:
+        d = self.__dict__
+        if slot not in d:
+            d[slot] = method(self)
+        return d[slot]
+
+    setattr(cls, name, cached)
+
+
+for _cls, _names in ((_t.ListType, ("element",)), (_t.RecordType, ("fields",)), (_t.TupleType, ("elements",)),
+                     (_t.VariantType, ("cases",)), (_t.EnumType, ("names",)), (_t.OptionType, ("payload",)),
+                     (_t.ResultType, ("ok", "err")), (_t.FlagsType, ("names",))):
+    for _name in _names:
+        _memo_property(_cls, _name)
+for _cls in (_t.VariantType, _t.OptionType, _t.ResultType):
+    _memo_method(_cls, "_cases")
+    _memo_method(_cls, "_tagged")
+
+
+# Strings and record field names: one FFI call each instead of three, and
+# field names encoded once per record type.
+from wasmtime._ffi import dll as _dll  # noqa: E402
+
+# wasm_byte_vec_new on its own function object (indexing the library makes a
+# new one), taking the bytes as they are: no copy into a ctypes array first.
+_vec_new = _dll["wasm_byte_vec_new"]
+_vec_new.argtypes = [ctypes.POINTER(ffi.wasm_byte_vec_t), ctypes.c_size_t, ctypes.c_char_p]
+_vec_new.restype = None
+_vec_t = ffi.wasm_byte_vec_t
+_byref = ctypes.byref
+
+
+def _bytes_vec(b: bytes) -> Any:
+    vec = _vec_t()
+    _vec_new(_byref(vec), len(b), b)
+    return vec
+
+
+def _name_vec(arr: Any, n: int) -> Any:
+    vec = _vec_t()
+    _vec_new(_byref(vec), n, arr)
+    return vec
+
+
+def _str_to_capi(s: str) -> Any:
+    if not isinstance(s, str):
+        raise TypeError("expected a string")
+    return _bytes_vec(s.encode("utf-8"))
+
+
+ffi.str_to_capi = _str_to_capi
+
+
+def _record_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    fields = self.fields
+    names = self.__dict__.get("_idem_names")
+    if names is None:
+        names = self.__dict__["_idem_names"] = [(b, len(b)) for b in (n.encode("utf-8") for n, _ in fields)]
+    raw = ffi.wasmtime_component_valrecord_t()
+    ffi.wasmtime_component_valrecord_new_uninit(raw, len(fields))
+    i = 0
+    cleanup = True
+    try:
+        data = raw.data
+        for (name, ty), (arr, n) in zip(fields, names):
+            entry = data[i]
+            ty.convert_to_c(store, getattr(val, name), ctypes.pointer(entry.val))
+            entry.name = _name_vec(arr, n)
+            i += 1
+        ptr.contents.kind = ffi.WASMTIME_COMPONENT_RECORD
+        ptr.contents.of.record = raw
+        cleanup = False
+    finally:
+        if cleanup:
+            for j in range(i, len(fields)):
+                raw.data[j].val.kind = ffi.WASMTIME_COMPONENT_BOOL
+                raw.data[j].val.of.boolean = False
+            ffi.wasmtime_component_valrecord_delete(ctypes.byref(raw))
+
+
+def _record_from_c(self: Any, c: Any) -> Any:
+    try:
+        ret = Record()
+        d = ret.__dict__
+        data = c.of.record.data
+        for i, (name, ty) in zip(range(c.of.record.size), self.fields):
+            raw_field = data[i]
+            d[name] = ty.convert_from_c(raw_field.val)
+            raw_field.val.kind = ffi.WASMTIME_COMPONENT_BOOL
+            raw_field.val.of.boolean = False
+        return ret
+    finally:
+        ffi.wasmtime_component_valrecord_delete(c.of.record)
+
+
+_t.RecordType.convert_to_c = _record_to_c
+_t.RecordType.convert_from_c = _record_from_c
+
+
+# The scalar conversions with one `contents` lookup instead of two and
+# plain integer kinds, and `option` without its generic case search.
+
+
+def _scalar(cls: type, kind: Any, field: str, check: type) -> None:
+    k = kind.value
+    tname = cls.__name__
+
+    def to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+        if not isinstance(val, check):
+            raise TypeError(f"expected {check.__name__} for {tname} type")
+        c = ptr.contents
+        c.kind = k
+        setattr(c.of, field, val)
+
+    cls.convert_to_c = to_c
+
+
+for _cls, _kind, _field, _check in ((_t.U8, ffi.WASMTIME_COMPONENT_U8, "u8", int),
+                                     (_t.U16, ffi.WASMTIME_COMPONENT_U16, "u16", int),
+                                     (_t.U32, ffi.WASMTIME_COMPONENT_U32, "u32", int),
+                                     (_t.U64, ffi.WASMTIME_COMPONENT_U64, "u64", int),
+                                     (_t.S32, ffi.WASMTIME_COMPONENT_S32, "s32", int),
+                                     (_t.S64, ffi.WASMTIME_COMPONENT_S64, "s64", int),
+                                     (_t.Bool, ffi.WASMTIME_COMPONENT_BOOL, "boolean", bool)):
+    _scalar(_cls, _kind, _field, _check)
+
+_STRING = ffi.WASMTIME_COMPONENT_STRING.value
+_ENUM = ffi.WASMTIME_COMPONENT_ENUM.value
+_OPTION = ffi.WASMTIME_COMPONENT_OPTION.value
+
+
+def _string_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    if not isinstance(val, str):
+        raise TypeError("expected string type")
+    c = ptr.contents
+    c.kind = _STRING
+    c.of.string = _bytes_vec(val.encode("utf-8"))
+
+
+def _enum_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    if not isinstance(val, str):
+        raise TypeError("expected str type")
+    c = ptr.contents
+    c.kind = _ENUM
+    c.of.enumeration = _bytes_vec(val.encode("utf-8"))
+
+
+_orig_option_to_c = _t.OptionType.convert_to_c
+
+
+def _option_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
+    if self._tagged():
+        return _orig_option_to_c(self, store, val, ptr)
+    c = ptr.contents
+    if val is None:
+        c.kind = _OPTION
+        c.of.option = None
+        return None
+    raw = ffi.wasmtime_component_val_t()
+    self.payload.convert_to_c(store, val, ctypes.pointer(raw))
+    c.kind = _OPTION
+    c.of.option = ffi.wasmtime_component_val_new(ctypes.byref(raw))
+    return None
+
+
+_t.String.convert_to_c = _string_to_c
+_t.EnumType.convert_to_c = _enum_to_c
+_t.OptionType.convert_to_c = _option_to_c
+
+
+class _Signature:
+    """The parameter and result types of one function, asked once."""
+
+    __slots__ = ("params", "result")
+
+    def __init__(self, fty: Any):
+        self.params = [ty for _, ty in fty.params]
+        self.result = fty.result
+
+
+def _call_export(func: Any, sig: _Signature, store: Any, params: tuple) -> Any:
+    """`Func.__call__` with the function's types known."""
+    if len(params) != len(sig.params):
+        raise TypeError(f"wrong number of parameters provided: given {len(params)}, expected {len(sig.params)}")
+    param_capi = (ffi.wasmtime_component_val_t * len(params))()
+    n = 0
+    try:
+        for ty, val in zip(sig.params, params):
+            ty.convert_to_c(store, val, ctypes.pointer(param_capi[n]))
+            n += 1
+        result_space = ffi.wasmtime_component_val_t() if sig.result is not None else None
+        result_capi = ctypes.byref(result_space) if result_space is not None else None
+        enter_wasm(lambda: ffi.wasmtime_component_func_call(ctypes.byref(func._func), store._context(), param_capi, n,
+                                                             result_capi, 1 if result_space is not None else 0))
+        if result_space is None:
+            return None
+        return sig.result.convert_from_c(result_space)
+    finally:
+        for i in range(n):
+            ffi.wasmtime_component_val_delete(ctypes.byref(param_capi[i]))
+
+
+_IMPORTS: dict[int, list] = {}
+_next_import = [1]
+
+
+@ffi.wasmtime_component_func_callback_t
+def _import_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore[no-untyped-def]
+    entry = _IMPORTS[idx or 0]
+
+    def run(store: Any) -> None:
+        sig = entry[1]
+        if sig is None:
+            with _t.FuncType._from_ptr(ty_raw, owner=store) as fty:
+                sig = entry[1] = _Signature(fty)
+        pyargs = [ty.convert_from_c(args[i]) for ty, i in zip(sig.params, range(nargs))]
+        result = entry[0](store, *pyargs)
+        if sig.result is not None:
+            sig.result.convert_to_c(store, result, results)
+
+    return catch_exceptions(context, run)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _import_finalize(idx):  # type: ignore[no-untyped-def]
+    _IMPORTS.pop(idx or 0, None)
+
+
+def _add_import(instance: Any, name: str, func: Callable[..., Any]) -> None:
+    """`LinkerInstance.add_func`, with the import's types asked once."""
+    idx = _next_import[0]
+    _next_import[0] += 1
+    _IMPORTS[idx] = [func, None]
+    name_bytes = name.encode("utf-8")
+    err_ = ffi.wasmtime_component_linker_instance_add_func(instance.ptr(), ctypes.create_string_buffer(name_bytes),
+                                                           len(name_bytes), _import_impl, idx, _import_finalize)
+    if err_:
+        raise wasmtime.WasmtimeError._from_ptr(err_)
+
+
+# ------------------------------------------------------------ values
+
+
+def record(**fields: Any) -> Record:
+    """A component record; Python names map to WIT names (`_` is `-`)."""
+    r = Record()
+    for name, value in fields.items():
+        setattr(r, name.replace("_", "-"), value)
+    return r
+
+
+def get(r: Any, name: str) -> Any:
+    """A field of a component record by its WIT name."""
+    return getattr(r, name)
+
+
+def ok(value: Any) -> Variant:
+    return Variant("ok", value)
+
+
+def err(kind: str, message: str) -> Variant:
+    return Variant("err", Variant(kind, message))
+
+
+class StoreError(Exception):
+    """A store failure, as `store-error` in wit/store.wit: `kind` is
+    `unavailable`, `rejected` or `internal`."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"store {kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+class EngineError(Exception):
+    """Why the engine could not decide (`engine-error`): `kind` is `store`,
+    `corrupt` or `invalid`. A store failure is never read as "no record"."""
+
+    def __init__(self, kind: str, message: str, store_kind: str | None = None,
+                 field: str | None = None, rule: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.store_kind = store_kind
+        self.field = field
+        self.rule = rule
+
+
+def engine_error(e: Any) -> EngineError:
+    # engine-error is untagged in wasmtime-py: a Variant is `store`, a str
+    # is `corrupt`, a record is `invalid`.
+    if isinstance(e, Variant):
+        return EngineError("store", f"the store failed ({e.tag}): {e.payload}", store_kind=e.tag)
+    if isinstance(e, str):
+        return EngineError("corrupt", f"a stored record is corrupt: {e}")
+    return EngineError("invalid", f"invalid input: {e.message} (field {e.field}, rule {e.rule})", field=e.field, rule=e.rule)
+
+
+def unwrap(result: Any) -> Any:
+    """The ok value of an export's result; the err value raises EngineError."""
+    if not isinstance(result, Variant) or result.tag not in ("ok", "err"):
+        raise TypeError(f"expected a result, got {result!r}")
+    if result.tag == "err":
+        raise engine_error(result.payload)
+    return result.payload
+
+
+def _guarded(op: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """A store import: a StoreError becomes the `err` case, any other
+    exception an `internal` one (never "no record")."""
+
+    def call(_store: Any, *args: Any) -> Variant:
+        try:
+            return ok(f(*args))
+        except StoreError as e:
+            return err(e.kind, e.message)
+        except Exception as e:  # noqa: BLE001 - reported to the engine as internal
+            return err("internal", f"{op}: {type(e).__name__}: {e}")
+
+    return call
+
+
+# ------------------------------------------------------------ the component
+
+_lock = threading.Lock()
+_runtimes: dict[str, "Runtime"] = {}
+
+
+def default_wasm_path() -> Path:
+    """The component this package ships (package data)."""
+    return Path(str(resources.files("idem").joinpath("idem_guest.wasm")))
+
+
+class Runtime:
+    """One Wasmtime engine and the compiled component, shared by every
+    engine instance of the process."""
+
+    def __init__(self, wasm_path: Path):
+        self.path = wasm_path
+        self.engine = wasmtime.Engine()
+        self.component = Component.from_file(self.engine, str(wasm_path))
+
+    @staticmethod
+    def get(wasm_path: Path | str | None = None) -> "Runtime":
+        path = Path(wasm_path) if wasm_path is not None else default_wasm_path()
+        key = str(path.resolve())
+        with _lock:
+            rt = _runtimes.get(key)
+            if rt is None:
+                rt = Runtime(path)
+                _runtimes[key] = rt
+            return rt
+
+    def linker(self, store: Any, clock: Any, results: Any) -> Linker:
+        """A linker whose imports call `store` (insert_if_absent, get,
+        compare_and_swap, delete_expired, list_stale, in the component's
+        values), `clock` (now() -> int, pause(ms)) and `results`
+        (find_result(key) -> str | None)."""
+        linker = Linker(self.engine)
+        with linker.root() as root:
+            with root.add_instance(PACKAGE.format("store")) as s:
+                _add_import(s, "insert-if-absent", _guarded("insert-if-absent", lambda c: store.insert_if_absent(c)))
+                _add_import(s, "get", _guarded("get", lambda k: store.get(k)))
+                _add_import(s, "compare-and-swap", _guarded("compare-and-swap", lambda rev, r: store.compare_and_swap(rev, r)))
+                _add_import(s, "delete-expired", _guarded("delete-expired", lambda now, limit: store.delete_expired(now, limit)))
+                _add_import(s, "list-stale", _guarded("list-stale", lambda b, now, limit: store.list_stale(b, now, limit)))
+            with root.add_instance(PACKAGE.format("clock")) as c:
+                _add_import(c, "now", lambda _s: int(clock.now()))
+                _add_import(c, "pause", lambda _s, d: clock.pause(d))
+            with root.add_instance(PACKAGE.format("results")) as r:
+                _add_import(r, "find-result", _guarded("find-result", lambda k: results.find_result(k)))
+        return linker
+
+
+class Exports:
+    """The `engine` interface of one instance of the component, in its own
+    Wasmtime store."""
+
+    NAMES = ("begin", "complete", "fail", "extend", "reconcile", "sweep", "inspect")
+
+    def __init__(self, runtime: Runtime, linker: Linker):
+        self.store = wasmtime.Store(runtime.engine)
+        instance = linker.instantiate(self.store, runtime.component)
+        iface = instance.get_export_index(self.store, PACKAGE.format("engine"))
+        self.funcs = {}
+        for name in self.NAMES:
+            index = instance.get_export_index(self.store, name, iface)
+            f = instance.get_func(self.store, index)
+            self.funcs[name] = (f, _Signature(f.type(self.store)))
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Calls an export and returns its raw result (a tagged Variant)."""
+        f, sig = self.funcs[name]
+        try:
+            return _call_export(f, sig, self.store, args)
+        finally:
+            f.post_return(self.store)
+
+
+# ------------------------------------------------------------ policy
+
+DEFAULT_POLICY: dict[str, Any] = {
+    "retention_ms": 86_400_000,
+    "lease_ms": 60_000,
+    "retry_after_ms": 1_000,
+    "expired_lease": "take-over",
+    "failure_mode": "honor-disposition",
+    "in_progress": "reject",
+    "fingerprint_fields": [],
+    "key_format": {"min_length": 1, "max_length": 255, "charset": "printable-ascii"},
+    "max_body_bytes": 1_048_576,
+}
+"""The Rust `Policy::default()`, in its field names."""
+
+_ENUMS = {
+    "expired_lease": ("take-over", "reconcile", "manual"),
+    "failure_mode": ("honor-disposition", "always-final"),
+    "charset": ("printable-ascii", "uuid", "token"),
+}
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+
+
+def _uint(path: str, v: Any, top: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > top:
+        raise ValueError(f"policy.{path} must be an integer from 0 to {top}, got {v!r}")
+    return v
+
+
+def _one_of(path: str, v: Any, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise ValueError(f"policy.{path} must be one of {', '.join(allowed)}, got {v!r}")
+    return v
+
+
+def merge_policy(policy: dict[str, Any] | None) -> dict[str, Any]:
+    """`policy` (Rust field names) over the defaults; unknown fields refused."""
+    policy = dict(policy or {})
+    for k in policy:
+        if k not in DEFAULT_POLICY:
+            raise ValueError(f"policy.{k} is not a policy field (the fields are {', '.join(DEFAULT_POLICY)})")
+    kf = dict(policy.get("key_format") or {})
+    for k in kf:
+        if k not in DEFAULT_POLICY["key_format"]:
+            raise ValueError(f"policy.key_format.{k} is not a key_format field (min_length, max_length, charset)")
+    out = {**DEFAULT_POLICY, **policy}
+    out["key_format"] = {**DEFAULT_POLICY["key_format"], **kf}
+    return out
+
+
+def wit_policy(policy: dict[str, Any] | None) -> Record:
+    """A policy in the Rust crate's field names (snake_case; enum values in
+    kebab-case; `in_progress` is "reject" or {"wait": {"max_wait_ms",
+    "poll_interval_ms"}}) as the component's record. Wrong types are refused
+    naming the field and the rule; value ranges are the engine's to check."""
+    p = merge_policy(policy)
+    ip = p["in_progress"]
+    if ip == "reject":
+        in_progress = None  # in-progress-mode is untagged in wasmtime-py: None is `reject`.
+    elif isinstance(ip, dict) and isinstance(ip.get("wait"), dict):
+        w = ip["wait"]
+        in_progress = record(max_wait_ms=_uint("in_progress.wait.max_wait_ms", w.get("max_wait_ms"), _U64),
+                             poll_interval_ms=_uint("in_progress.wait.poll_interval_ms", w.get("poll_interval_ms"), _U64))
+    else:
+        raise ValueError(f'policy.in_progress must be "reject" or {{"wait": {{"max_wait_ms": .., "poll_interval_ms": ..}}}}, got {ip!r}')
+    ff = p["fingerprint_fields"]
+    if not isinstance(ff, (list, tuple)) or not all(isinstance(f, str) for f in ff):
+        raise ValueError("policy.fingerprint_fields must be a list of strings (JSON Pointers)")
+    kf = p["key_format"]
+    return record(
+        retention_ms=_uint("retention_ms", p["retention_ms"], _U64),
+        lease_ms=_uint("lease_ms", p["lease_ms"], _U64),
+        retry_after_ms=_uint("retry_after_ms", p["retry_after_ms"], _U64),
+        expired_lease=_one_of("expired_lease", p["expired_lease"], _ENUMS["expired_lease"]),
+        failure_mode=_one_of("failure_mode", p["failure_mode"], _ENUMS["failure_mode"]),
+        in_progress=in_progress,
+        fingerprint_fields=list(ff),
+        key_format=record(min_length=_uint("key_format.min_length", kf["min_length"], _U32),
+                          max_length=_uint("key_format.max_length", kf["max_length"], _U32),
+                          charset=_one_of("key_format.charset", kf["charset"], _ENUMS["charset"])),
+        max_body_bytes=_uint("max_body_bytes", p["max_body_bytes"], _U32),
+    )

@@ -1,0 +1,184 @@
+"""The engine through the real component and a real SQLite file."""
+
+import pytest
+
+from conftest import T0
+from idem import EngineError, Idem, Response, SqliteStore
+
+S, B = "tenant-1", "order.create"
+
+
+def test_execute_complete_replay_from_the_file(env):
+    d = env.idem.begin(S, B, "k1", body={"sku": "A1", "qty": 2})
+    assert d.decision == "execute" and d.fencing_token == 1 and d.attempt == 1
+    resp = Response(201, [("content-type", b"application/json")], b'{"order":"order-1"}')
+    assert env.idem.complete(d.ticket, result_ref="order-1", response=resp) == "recorded"
+    other = Idem(SqliteStore(env.path), clock=env.clock)
+    r = other.begin(S, B, "k1", body=b'{ "qty": 2, "sku": "A1" }', body_kind="json")
+    assert r.decision == "replay"
+    assert r.result_ref == "order-1"
+    assert r.response == resp
+    assert r.completed_at == T0
+
+
+def test_mismatch(env):
+    d = env.idem.begin(S, B, "k1", body={"sku": "A1"})
+    env.idem.complete(d.ticket, result_ref="order-1")
+    m = env.idem.begin(S, B, "k1", body={"sku": "B7"})
+    assert m.decision == "mismatch" and len(m.stored_prefix) == 8 and m.stored_version == 2
+
+
+def test_in_progress(env):
+    assert env.idem.begin(S, B, "k1", body={}).decision == "execute"
+    p = env.idem.begin(S, B, "k1", body={}, policy={"retry_after_ms": 700})
+    assert p.decision == "in-progress" and p.retry_after_ms == 700 and p.lease_until == T0 + 60_000
+
+
+def test_lease_take_over_with_fencing(env):
+    policy = {"lease_ms": 1000}
+    first = env.idem.begin(S, B, "k1", body={}, policy=policy)
+    env.clock.advance(1001)
+    second = env.idem.begin(S, B, "k1", body={}, policy=policy)
+    assert second.decision == "execute" and second.fencing_token == 2 and second.attempt == 2
+    assert env.idem.complete(first.ticket, policy, result_ref="stale") == "lost-ownership"
+    assert env.idem.extend(first.ticket, policy) is None
+    assert env.idem.complete(second.ticket, policy, result_ref="fresh") == "recorded"
+    r = env.idem.begin(S, B, "k1", body={}, policy=policy)
+    assert r.decision == "replay" and r.result_ref == "fresh"
+
+
+def test_extend(env):
+    d = env.idem.begin(S, B, "k1", body={})
+    env.clock.advance(5000)
+    assert env.idem.extend(d.ticket) == T0 + 5000 + 60_000
+
+
+def test_final_and_retryable_failures(env):
+    a = env.idem.begin(S, B, "final", body={})
+    env.idem.fail(a.ticket, code="card-declined", message="the card was declined", disposition="final")
+    f = env.idem.begin(S, B, "final", body={})
+    assert f.decision == "failed" and f.failure.code == "card-declined" and f.failure.message == "the card was declined"
+    b = env.idem.begin(S, B, "retry", body={})
+    env.idem.fail(b.ticket, code="db-down", disposition="retryable")
+    again = env.idem.begin(S, B, "retry", body={})
+    assert again.decision == "execute" and again.attempt == 2
+
+
+def test_outcome_unknown_manual(env):
+    policy = {"expired_lease": "manual", "lease_ms": 1000}
+    a = env.idem.begin(S, B, "k", body={}, policy=policy)
+    env.idem.fail(a.ticket, policy, code="timeout", disposition="outcome-unknown")
+    u = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert u.decision == "outcome-unknown" and u.failure.code == "timeout"
+    env.clock.advance(5000)
+    assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "outcome-unknown"
+
+
+def test_reconcile(make_env):
+    class Results:
+        def find_result(self, key):
+            return "order-77" if getattr(key, "idem-key") == "k" else None
+
+    env = make_env(results=Results())
+    policy = {"expired_lease": "reconcile", "lease_ms": 1000}
+    env.idem.begin(S, B, "k", body={}, policy=policy)
+    env.clock.advance(1001)
+    report = env.idem.reconcile(B, policy, 10)
+    assert report["examined"] == 1 and report["succeeded"] == 1
+    r = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert r.decision == "replay" and r.result_ref == "order-77"
+
+
+def test_sweep(env):
+    policy = {"retention_ms": 1000}
+    a = env.idem.begin(S, B, "done", body={}, policy=policy)
+    env.idem.complete(a.ticket, policy, result_ref="x")
+    env.idem.begin(S, B, "running", body={}, policy=policy)
+    env.clock.advance(999)
+    assert env.idem.sweep(100) == 0
+    env.clock.advance(1)
+    assert env.idem.sweep(100) == 1
+    assert env.idem.inspect(S, B, "done") is None
+    assert env.idem.inspect(S, B, "running")["status"] == "processing"
+    assert env.store.count() == 1
+
+
+def test_bounded_wait_uses_the_injected_clock(env):
+    policy = {"in_progress": {"wait": {"max_wait_ms": 3000, "poll_interval_ms": 500}}}
+    assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "execute"
+    before = env.clock.now()
+    assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "in-progress"
+    assert env.clock.now() - before >= 3000
+
+
+def test_bad_input_names_the_field_and_the_rule(env):
+    bad = env.idem.begin(S, B, "", body={})
+    assert (bad.decision, bad.field, bad.rule) == ("invalid", "idem-key", "required")
+    nj = env.idem.begin(S, B, "k", body=b"{", body_kind="json")
+    assert (nj.decision, nj.field, nj.rule) == ("invalid", "body", "not-json")
+    lease = env.idem.begin(S, B, "k", body={}, policy={"lease_ms": 0})
+    assert (lease.decision, lease.field) == ("invalid", "policy")
+    with pytest.raises(ValueError, match="policy.leaseMs is not a policy field"):
+        env.idem.begin(S, B, "k", body={}, policy={"leaseMs": 5})
+    with pytest.raises(ValueError, match="policy.expired_lease must be one of"):
+        env.idem.begin(S, B, "k", body={}, policy={"expired_lease": "later"})
+    with pytest.raises(TypeError, match="key must be a str"):
+        env.idem.begin(S, B, 7)
+
+
+def test_store_failure_is_an_error_not_no_record(env):
+    env.store.connection.execute("DROP TABLE idempotency_record")
+    with pytest.raises(EngineError) as e:
+        env.idem.begin(S, B, "k", body={})
+    assert e.value.kind == "store" and "no such table" in str(e.value)
+    with pytest.raises(EngineError):
+        env.idem.inspect(S, B, "k")
+
+
+def test_busy_database_is_unavailable(env):
+    blocker = SqliteStore(env.path, busy_timeout_ms=0)
+    locked = Idem(SqliteStore(env.path, busy_timeout_ms=0))
+    blocker.connection.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(EngineError) as e:
+            locked.begin(S, B, "k", body={})
+        assert e.value.kind == "store" and e.value.store_kind == "unavailable"
+    finally:
+        blocker.connection.execute("ROLLBACK")
+    assert env.idem.begin(S, B, "k", body={}).decision == "execute"
+
+
+def test_schema_is_the_rust_stores(env):
+    c = env.store.connection
+    assert c.execute("PRAGMA user_version").fetchone()[0] == 1
+    names = [r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name")]
+    assert names == ["idempotency_record_outcome_unknown", "idempotency_record_stale_processing",
+                     "idempotency_record_sweep", "sqlite_autoindex_idempotency_record_1"]
+    assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_large_bodies_round_trip_exactly(env):
+    body = bytes(range(256)) * 64
+    d = env.idem.begin(S, B, "big", body=body)
+    env.idem.complete(d.ticket, response=Response(200, [("x-bin", bytes([0, 255, 10]))], body))
+    r = env.idem.begin(S, B, "big", body=body)
+    assert r.response.body == body and r.response.headers == [("x-bin", bytes([0, 255, 10]))]
+
+
+def test_business_write_and_completion_commit_together(env):
+    c = env.store.connection
+    c.execute("CREATE TABLE orders (idem_key TEXT NOT NULL)")
+    d = env.idem.begin(S, B, "k", body={})
+    with pytest.raises(RuntimeError):
+        with env.store.transaction() as conn:
+            conn.execute("INSERT INTO orders VALUES ('k')")
+            assert env.idem.complete(d.ticket, result_ref="order-1") == "recorded"
+            raise RuntimeError("the business transaction fails after the completion")
+    # Both rolled back: no row, and the key is still being processed.
+    assert c.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+    assert env.idem.inspect(S, B, "k")["status"] == "processing"
+    with env.store.transaction() as conn:
+        conn.execute("INSERT INTO orders VALUES ('k')")
+        assert env.idem.complete(d.ticket, result_ref="order-1") == "recorded"
+    assert c.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
+    assert env.idem.begin(S, B, "k", body={}).decision == "replay"
