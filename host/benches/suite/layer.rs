@@ -16,16 +16,14 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::common::{Report, Settings};
+use crate::proxy::{Child, Kind, Target, have_wrk, measure, write_script, wrk};
 use anyhow::{Context, Result, anyhow, bail};
 use axum::Router;
 use axum::routing::post;
 use idem::layer::IdempotencyLayer;
 use idem::proxy::ProxyConfig;
 use idem::{Engine, SqliteStore};
-use serde_json::json;
-
-use crate::common::{Report, Settings, median};
-use crate::proxy::{Child, Load, Target, have_wrk, write_script, wrk};
 
 /// The first argument that makes this binary serve the app instead of
 /// measuring: `--serve-app bare|layer DB`.
@@ -115,8 +113,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     wrk(&script, layered, (1, 1), "fixed", "warm")?;
     wrk(&script, layered, (1, 32), "new", "warm")?;
     wrk(&script, bare, (1, 32), "new", "warm")?;
-    let secs = settings.proxy_seconds;
-    let kinds: [(&str, Target, &str, u32); 8] = [
+    let kinds: [Kind<'_>; 8] = [
         ("bare, new keys", bare, "new", 1),
         ("layer, first requests", layered, "new", 1),
         ("bare, fixed key", bare, "fixed", 1),
@@ -126,45 +123,16 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         ("bare, fixed key", bare, "fixed", 32),
         ("layer, replays", layered, "fixed", 32),
     ];
-    let rounds = settings.rounds.min(3);
-    let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
-    for r in 0..rounds {
-        for (k, (_, target, mode, connections)) in kinds.iter().enumerate() {
-            results[k].push(wrk(
-                &script,
-                *target,
-                (secs, *connections),
-                mode,
-                &format!("l{r}k{k}"),
-            )?);
-        }
-    }
-    println!(
-        "\nlayer: an axum service with and without IdempotencyLayer (SQLite), wrk, {rounds} \
-         rounds x {secs} s per kind, medians over rounds; CPU is the service process's user + \
-         system time per request"
-    );
-    println!(
-        "{:<24} {:>5} {:>9} {:>9} {:>9} {:>11}",
-        "kind", "conns", "req/s", "p50 us", "p99 us", "CPU us/req"
-    );
-    let mut cpus = Vec::new();
-    for ((name, _, _, connections), loads) in kinds.iter().zip(&results) {
-        let of = |f: fn(&Load) -> f64| median(&loads.iter().map(f).collect::<Vec<_>>());
-        let (rps, p50, p99, cpu) = (
-            of(|l| l.rps),
-            of(|l| l.p50_us),
-            of(|l| l.p99_us),
-            of(|l| l.cpu_us_per_request),
-        );
-        println!("{name:<24} {connections:>5} {rps:>9.0} {p50:>9.0} {p99:>9.0} {cpu:>11.1}");
-        cpus.push(cpu);
-        report.add(json!({
-            "section": "layer", "kind": name, "connections": connections,
-            "requests_per_s": rps, "p50_us": p50, "p99_us": p99,
-            "cpu_us_per_request": cpu,
-        }));
-    }
+    let rows = measure(
+        settings,
+        &script,
+        &kinds,
+        "layer",
+        "an axum service with and without IdempotencyLayer (SQLite); CPU is the service \
+         process's user + system time per request",
+        report,
+    )?;
+    let cpus: Vec<f64> = rows.iter().map(|l| l.cpu_us_per_request).collect();
     println!(
         "the layer adds {:+.1} us CPU per first request and {:+.1} us per replay at 1 \
          connection ({:+.1} and {:+.1} at 32)",

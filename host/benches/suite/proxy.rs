@@ -242,6 +242,66 @@ pub fn write_script(dir: &std::path::Path) -> Result<std::path::PathBuf> {
     Ok(script)
 }
 
+/// One kind of load: its name, the server, the wrk mode (`new` or
+/// `fixed` keys) and the connections.
+pub type Kind<'a> = (&'a str, Target, &'a str, u32);
+
+/// Runs every kind for the same time, round after round (so that noise
+/// falls on all kinds alike), prints the medians over rounds as one table
+/// headed by `section` and `cpu_note`, adds them to `report`, and returns
+/// them in the order of `kinds`.
+pub fn measure(
+    settings: &Settings,
+    script: &std::path::Path,
+    kinds: &[Kind<'_>],
+    section: &str,
+    cpu_note: &str,
+    report: &mut Report,
+) -> Result<Vec<Load>> {
+    let secs = settings.proxy_seconds;
+    let rounds = settings.rounds.min(3);
+    let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
+    for r in 0..rounds {
+        for (k, (_, target, mode, connections)) in kinds.iter().enumerate() {
+            results[k].push(wrk(
+                script,
+                *target,
+                (secs, *connections),
+                mode,
+                &format!("{section}{r}k{k}"),
+            )?);
+        }
+    }
+    println!(
+        "\n{section}: wrk, {rounds} rounds x {secs} s per kind, medians over rounds; {cpu_note}"
+    );
+    println!(
+        "{:<24} {:>5} {:>9} {:>9} {:>9} {:>11}",
+        "kind", "conns", "req/s", "p50 us", "p99 us", "CPU us/req"
+    );
+    let mut rows = Vec::new();
+    for ((name, _, _, connections), loads) in kinds.iter().zip(&results) {
+        let of = |f: fn(&Load) -> f64| median(&loads.iter().map(f).collect::<Vec<_>>());
+        let row = Load {
+            rps: of(|l| l.rps),
+            p50_us: of(|l| l.p50_us),
+            p99_us: of(|l| l.p99_us),
+            cpu_us_per_request: of(|l| l.cpu_us_per_request),
+        };
+        println!(
+            "{name:<24} {connections:>5} {:>9.0} {:>9.0} {:>9.0} {:>11.1}",
+            row.rps, row.p50_us, row.p99_us, row.cpu_us_per_request
+        );
+        report.add(json!({
+            "section": section, "kind": name, "connections": connections,
+            "requests_per_s": row.rps, "p50_us": row.p50_us, "p99_us": row.p99_us,
+            "cpu_us_per_request": row.cpu_us_per_request,
+        }));
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
 /// Runs the proxy measurements.
 pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     if !have_wrk() {
@@ -273,7 +333,6 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         Some(other) => Some(serve(other, &dir.path().join("other.db"), up.addr, None)?),
         None => None,
     };
-    let secs = settings.proxy_seconds;
     // The replayed key, completed by one connection before 32 replay it
     // (32 at once on a new key would be told it is in progress); and a
     // warm-up of every kind.
@@ -281,7 +340,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     wrk(&script, proxied, (1, CONNECTIONS), "new", "warm")?;
     wrk(&script, up, (1, CONNECTIONS), "new", "warm")?;
     wrk(&script, grouped, (1, CONNECTIONS), "new", "warm")?;
-    let mut kinds: Vec<(&str, Target, &str, u32)> = vec![
+    let mut kinds: Vec<Kind<'_>> = vec![
         ("direct, new keys", up, "new", CONNECTIONS),
         ("proxy, first requests", proxied, "new", CONNECTIONS),
         ("direct, fixed key", up, "fixed", CONNECTIONS),
@@ -301,49 +360,17 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
             ("compared, replays", *other, "fixed", 1),
         ]);
     }
-    let rounds = settings.rounds.min(3);
-    let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
-    for r in 0..rounds {
-        for (k, (_, target, mode, connections)) in kinds.iter().enumerate() {
-            results[k].push(wrk(
-                &script,
-                *target,
-                (secs, *connections),
-                mode,
-                &format!("r{r}k{k}"),
-            )?);
-        }
-    }
-    println!(
-        "\nproxy: wrk, {rounds} rounds x {secs} s per kind, medians over rounds; CPU is the \
-         server process's user + system time per request (idem serve's, or for direct runs \
-         the upstream's)"
-    );
-    println!(
-        "{:<24} {:>5} {:>9} {:>9} {:>9} {:>11}",
-        "kind", "conns", "req/s", "p50 us", "p99 us", "CPU us/req"
-    );
-    let mut p50s = Vec::new();
-    let mut rates = Vec::new();
-    for ((name, _, _, connections), loads) in kinds.iter().zip(&results) {
-        let rps = median(&loads.iter().map(|l| l.rps).collect::<Vec<_>>());
-        let p50 = median(&loads.iter().map(|l| l.p50_us).collect::<Vec<_>>());
-        let p99 = median(&loads.iter().map(|l| l.p99_us).collect::<Vec<_>>());
-        let cpu = median(
-            &loads
-                .iter()
-                .map(|l| l.cpu_us_per_request)
-                .collect::<Vec<_>>(),
-        );
-        println!("{name:<24} {connections:>5} {rps:>9.0} {p50:>9.0} {p99:>9.0} {cpu:>11.1}");
-        p50s.push(p50);
-        rates.push(rps);
-        report.add(json!({
-            "section": "proxy", "kind": name, "connections": connections,
-            "requests_per_s": rps, "p50_us": p50, "p99_us": p99,
-            "cpu_us_per_request": cpu,
-        }));
-    }
+    let rows = measure(
+        settings,
+        &script,
+        &kinds,
+        "proxy",
+        "CPU is the server process's user + system time per request (idem serve's, or for \
+         direct runs the upstream's)",
+        report,
+    )?;
+    let p50s: Vec<f64> = rows.iter().map(|l| l.p50_us).collect();
+    let rates: Vec<f64> = rows.iter().map(|l| l.rps).collect();
     println!(
         "first requests add {:+.0} us at p50 ({:+.0} us with group commit); replays {:+.0} us \
          against the same request direct; at {CONNECTIONS} connections first requests run at \
