@@ -10,15 +10,13 @@
 //! (the layer claims, runs the handler, stores the answer) and one fixed
 //! key (the layer replays it; the handler does not run).
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::common::{Report, Settings};
-use crate::proxy::{Child, Kind, Target, have_wrk, measure, write_script, wrk};
-use anyhow::{Context, Result, anyhow, bail};
+use crate::proxy::{Child, Kind, Target, have_wrk, measure, start_server, write_script, wrk};
+use anyhow::{Context, Result, bail};
 use axum::Router;
 use axum::routing::post;
 use idem::layer::IdempotencyLayer;
@@ -77,25 +75,9 @@ pub fn serve_app(mut args: impl Iterator<Item = String>) -> Result<()> {
 /// Starts this binary as `--serve-app kind db`.
 fn spawn_app(kind: &str, db: &std::path::Path) -> Result<(Child, Target)> {
     let exe = std::env::current_exe().context("the bench binary's path")?;
-    let mut child = Command::new(exe)
-        .arg(SERVE_APP)
-        .arg(kind)
-        .arg(db)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting the app")?;
-    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
-    let pid = child.id();
-    let guard = Child(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line)?;
-    let addr: SocketAddr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .ok_or_else(|| anyhow!("the app printed '{line}'"))?
-        .parse()?;
-    Ok((guard, Target { addr, pid }))
+    let mut cmd = Command::new(exe);
+    cmd.arg(SERVE_APP).arg(kind).arg(db);
+    start_server(cmd, "listening on ")
 }
 
 /// Runs the layer measurements.

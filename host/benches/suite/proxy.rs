@@ -210,13 +210,18 @@ fn serve(
     if let Some(config) = config {
         cmd.arg("--config").arg(config);
     }
+    cmd.arg("--upstream").arg(format!("http://{up}"));
+    start_server(cmd, "idem listening on http://")
+}
+
+/// Starts `cmd`, a server that prints `prefix` and its address on its
+/// first line of output; the child is killed when the guard drops.
+pub fn start_server(mut cmd: Command, prefix: &str) -> Result<(Child, Target)> {
     let mut child = cmd
-        .arg("--upstream")
-        .arg(format!("http://{up}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .context("starting idem serve")?;
+        .with_context(|| format!("starting {:?}", cmd.get_program()))?;
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
     let pid = child.id();
     let guard = Child(child);
@@ -224,8 +229,8 @@ fn serve(
     BufReader::new(stdout).read_line(&mut line)?;
     let addr = line
         .trim()
-        .strip_prefix("idem listening on http://")
-        .ok_or_else(|| anyhow!("idem serve printed '{line}'"))?
+        .strip_prefix(prefix)
+        .ok_or_else(|| anyhow!("the server printed '{line}'"))?
         .parse()?;
     Ok((guard, Target { addr, pid }))
 }
