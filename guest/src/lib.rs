@@ -11,8 +11,8 @@
 //!
 //! With the `middleware` feature the crate builds the `middleware` world
 //! instead: the same engine, plus a `wasi:http` handler ([`middleware`])
-//! that wraps another handler with idempotency; [`http`] holds its
-//! plain-Rust HTTP rules.
+//! that wraps another handler with idempotency, on the HTTP rules of the
+//! `idem-http` crate that `idem serve` and the tower layer use too.
 #![cfg_attr(target_arch = "wasm32", no_std)]
 #![warn(missing_docs)]
 
@@ -20,7 +20,6 @@ extern crate alloc;
 
 pub mod canonical;
 pub mod fingerprint;
-pub mod http;
 pub mod machine;
 pub mod number;
 pub mod validate;

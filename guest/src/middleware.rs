@@ -4,12 +4,15 @@
 //!
 //! Every decision is the engine's: the handler calls [`machine::begin`],
 //! [`machine::complete`] and [`machine::fail`] through the same [`Imports`]
-//! environment as the `engine` export, and only maps HTTP to a
-//! `begin-request` and decisions back to HTTP, with the rules of
-//! `idem serve` ([`crate::http`]). What differs per request (the biz type,
-//! the policy, whether a key is required, how a client is identified, what
-//! a 5xx means) comes from the host's configuration for the request's
-//! route, through `http-bridge.request-route`.
+//! environment as the `engine` export. Every HTTP rule is `idem-http`'s,
+//! the crate `idem serve` and the tower layer use: the key header, the
+//! scope, which methods need a key, the body kind, what a status means,
+//! the problem catalogue and the answer to each decision. This module only
+//! moves values between `wasi:http` resources and those rules. What
+//! differs per request (the biz type, the policy, whether a key is
+//! required, how a client is identified, what a 5xx means) comes from the
+//! host's configuration for the request's route, through
+//! `http-bridge.request-route`.
 //!
 //! A wasm guest cannot run a heartbeat beside the wrapped handler, so a
 //! handler must answer within the route policy's `lease-ms`; past it a
@@ -18,12 +21,14 @@
 
 use alloc::borrow::ToOwned;
 use alloc::format;
-use alloc::string::{String, ToString};
+use alloc::string::String;
 use alloc::vec::Vec;
 
+use idem_http::{Answer, Problem};
+
 use crate::bindings::exports::idem::engine::engine::{
-    BeginRequest, Completion, Decision, Disposition, EngineError, InputField, InputRule,
-    InvalidInput, Policy, Ticket,
+    BeginRequest, BodyKind, Completion, Decision, Disposition, EngineError, InputField, InputRule,
+    Policy, Ticket,
 };
 use crate::bindings::exports::wasi::http::incoming_handler::Guest as HandlerGuest;
 use crate::bindings::idem::engine::http_bridge::{
@@ -35,13 +40,15 @@ use crate::bindings::wasi::http::types::{
     Fields, IncomingRequest, Method, OutgoingBody, OutgoingResponse, ResponseOutparam,
 };
 use crate::component::{Component, Imports};
-use crate::http::{self, Problem, ProblemType};
 use crate::machine;
-use sha2::Digest;
 
 /// The most bytes written to an output stream in one
 /// `blocking-write-and-flush`, the limit `wasi:io` sets for that call.
 const WRITE_CHUNK: usize = 4096;
+
+/// The longest handler error message kept in a failure record: the
+/// engine's limit for `failure-info.message`.
+const MAX_FAILURE_MESSAGE_BYTES: usize = 4096;
 
 fn method_name(method: &Method) -> String {
     match method {
@@ -67,147 +74,102 @@ fn values<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Vec<&'a [u8]> {
         .collect()
 }
 
-/// Sends `response` through `out`, with `Idempotent-Replayed: true` when
-/// `replayed`. Headers the host refuses (such as hop-by-hop ones) are left
-/// out.
-fn respond(out: ResponseOutparam, response: &StoredResponse, replayed: bool) {
+/// Sends a response with `status`, `headers` and `body` through `out`.
+/// Headers the host refuses (such as hop-by-hop ones) are left out.
+fn send(out: ResponseOutparam, status: u16, headers: &[(&str, &[u8])], body: &[u8]) {
     let fields = Fields::new();
-    for (name, value) in &response.headers {
-        if replayed && name.eq_ignore_ascii_case(http::IDEMPOTENT_REPLAYED) {
-            continue;
-        }
+    for (name, value) in headers {
         let _ = fields.append(name, value);
     }
-    if replayed {
-        let _ = fields.append(http::IDEMPOTENT_REPLAYED, b"true");
-    }
     let outgoing = OutgoingResponse::new(fields);
-    if outgoing.set_status_code(response.status).is_err() {
-        let problem = Problem::new(
-            ProblemType::InternalError,
-            "The stored response for this Idempotency-Key cannot be replayed.",
-        );
-        return send_problem(out, &problem);
+    if outgoing.set_status_code(status).is_err() {
+        return send_problem(out, &Problem::not_replayable());
     }
-    let Ok(body) = outgoing.body() else {
+    let Ok(outgoing_body) = outgoing.body() else {
         return;
     };
     ResponseOutparam::set(out, Ok(outgoing));
-    if let Ok(stream) = body.write() {
-        for chunk in response.body.chunks(WRITE_CHUNK) {
+    if let Ok(stream) = outgoing_body.write() {
+        for chunk in body.chunks(WRITE_CHUNK) {
             if stream.blocking_write_and_flush(chunk).is_err() {
                 // The client went away; nothing more can be sent.
                 return;
             }
         }
     }
-    let _ = OutgoingBody::finish(body, None);
+    let _ = OutgoingBody::finish(outgoing_body, None);
+}
+
+/// Sends a stored response; when `replayed`, with the replay header
+/// ([`idem_http::response_headers`]).
+fn respond(out: ResponseOutparam, response: &StoredResponse, replayed: bool) {
+    let headers = idem_http::response_headers(&response.headers, replayed);
+    send(out, response.status, &headers, &response.body);
 }
 
 fn send_problem(out: ResponseOutparam, problem: &Problem) {
-    let body = serde_json::to_vec(&problem.to_json()).unwrap_or_default();
-    let response = StoredResponse {
-        status: problem.status,
-        headers: problem.headers(),
-        body,
-    };
-    respond(out, &response, false);
+    let headers = problem.headers();
+    let headers: Vec<(&str, &[u8])> = headers
+        .iter()
+        .map(|(name, value)| (*name, value.as_bytes()))
+        .collect();
+    send(out, problem.status, &headers, &problem.body());
 }
 
-/// The problem for an `invalid` decision, as the proxy's `invalid_problem`.
-fn invalid_problem(i: &InvalidInput) -> Problem {
-    let kind = match (i.field, i.rule) {
-        (InputField::IdemKey, _) => ProblemType::KeyInvalid,
-        (InputField::Body, InputRule::TooLong) => ProblemType::BodyTooLarge,
-        _ => ProblemType::InvalidRequest,
-    };
-    Problem::new(kind, i.message.clone())
-        .with("field", field_name(i.field))
-        .with("rule", rule_name(i.rule))
-}
-
-fn field_name(field: InputField) -> &'static str {
-    match field {
-        InputField::Scope => "scope",
-        InputField::BizType => "biz-type",
-        InputField::IdemKey => "idem-key",
-        InputField::Attributes => "attributes",
-        InputField::Body => "body",
-        InputField::Policy => "policy",
-        InputField::SuccessResult => "success-result",
-        InputField::FailureInfo => "failure-info",
-        InputField::Ticket => "ticket",
+/// The engine's decision in `idem-http`'s terms.
+fn http_decision(decision: Decision) -> idem_http::Decision<Ticket, StoredResponse> {
+    match decision {
+        Decision::Execute(ticket) => idem_http::Decision::Execute(ticket),
+        Decision::Replay(replayed) => idem_http::Decision::Replay(replayed.response),
+        Decision::InProgress(busy) => idem_http::Decision::InProgress {
+            retry_after_ms: busy.retry_after_ms,
+        },
+        Decision::Mismatch(_) => idem_http::Decision::Mismatch,
+        Decision::Failed(failure) => idem_http::Decision::Failed(failure.response),
+        Decision::OutcomeUnknown(_) => idem_http::Decision::OutcomeUnknown,
+        Decision::Invalid(i) => idem_http::Decision::Invalid(idem_http::Invalid {
+            field: field(i.field),
+            rule: rule(i.rule),
+            message: i.message,
+        }),
     }
 }
 
-fn rule_name(rule: InputRule) -> &'static str {
+fn field(field: InputField) -> idem_http::Field {
+    use idem_http::Field;
+    match field {
+        InputField::Scope => Field::Scope,
+        InputField::BizType => Field::BizType,
+        InputField::IdemKey => Field::IdemKey,
+        InputField::Attributes => Field::Attributes,
+        InputField::Body => Field::Body,
+        InputField::Policy => Field::Policy,
+        InputField::SuccessResult => Field::SuccessResult,
+        InputField::FailureInfo => Field::FailureInfo,
+        InputField::Ticket => Field::Ticket,
+    }
+}
+
+fn rule(rule: InputRule) -> idem_http::Rule {
+    use idem_http::Rule;
     match rule {
-        InputRule::Required => "required",
-        InputRule::TooShort => "too-short",
-        InputRule::TooLong => "too-long",
-        InputRule::BadCharacter => "bad-character",
-        InputRule::BadFormat => "bad-format",
-        InputRule::NotJson => "not-json",
-        InputRule::OutOfRange => "out-of-range",
+        InputRule::Required => Rule::Required,
+        InputRule::TooShort => Rule::TooShort,
+        InputRule::TooLong => Rule::TooLong,
+        InputRule::BadCharacter => Rule::BadCharacter,
+        InputRule::BadFormat => Rule::BadFormat,
+        InputRule::NotJson => Rule::NotJson,
+        InputRule::OutOfRange => Rule::OutOfRange,
     }
 }
 
 /// The problem for an engine error: 503 when the store failed, 500
-/// otherwise, as the proxy's `engine_error_problem`.
+/// otherwise.
 fn engine_error_problem(e: &EngineError) -> Problem {
-    match e {
-        EngineError::Store(_) => Problem::new(
-            ProblemType::StoreUnavailable,
-            "The idempotency store did not answer and the request was not forwarded. Retry with the same Idempotency-Key.",
-        )
-        .retry_after_ms(1000),
-        _ => Problem::new(
-            ProblemType::InternalError,
-            "The idempotency engine failed and the request was not forwarded.",
-        ),
-    }
-}
-
-/// The answer to a decision other than `execute`.
-fn answer(out: ResponseOutparam, decision: Decision) {
-    let problem = match decision {
-        Decision::Execute(_) => Problem::new(
-            ProblemType::InternalError,
-            "The request could not be completed. Retry with the same Idempotency-Key.",
-        ),
-        Decision::Replay(replayed) => match replayed.response {
-            Some(stored) => return respond(out, &stored, true),
-            None => Problem::new(
-                ProblemType::ResponseNotStored,
-                "The request with this Idempotency-Key was already processed, but its response was not kept and cannot be replayed. Do not send it again.",
-            ),
-        },
-        Decision::InProgress(busy) => Problem::new(
-            ProblemType::RequestInProgress,
-            format!(
-                "The first request with this Idempotency-Key is still being processed. Retry after {} s with the same key and request.",
-                http::retry_after_secs(busy.retry_after_ms)
-            ),
-        )
-        .retry_after_ms(busy.retry_after_ms),
-        Decision::Mismatch(_) => Problem::new(
-            ProblemType::KeyReused,
-            "This Idempotency-Key was already used with a different request (method, path or body). Use a new key for a new request.",
-        ),
-        Decision::Failed(failure) => match failure.response {
-            Some(stored) => return respond(out, &stored, true),
-            None => Problem::new(
-                ProblemType::RequestFailed,
-                "The request with this Idempotency-Key failed for good, and no response was kept. Use a new key to try again.",
-            ),
-        },
-        Decision::OutcomeUnknown(_) => Problem::new(
-            ProblemType::OutcomeUnknown,
-            "An earlier attempt with this Idempotency-Key may or may not have taken effect. It will not be executed again until the outcome is settled; do not retry it with a new key before checking whether it took effect.",
-        ),
-        Decision::Invalid(i) => invalid_problem(&i),
-    };
-    send_problem(out, &problem);
+    idem_http::engine_error_problem(match e {
+        EngineError::Store(_) => idem_http::EngineFailure::Store,
+        _ => idem_http::EngineFailure::Other,
+    })
 }
 
 /// What the wrapped handler's response means for the key.
@@ -217,33 +179,35 @@ enum Outcome {
 }
 
 impl Outcome {
-    /// The outcome of `response`; a 5xx is made final when the route says
-    /// `server-errors: store`, as `idem serve` does.
+    /// The outcome of `response` under the route's `server_errors`
+    /// ([`idem_http::classify_status`]).
     fn of(response: &StoredResponse, server_errors: ServerErrors) -> Outcome {
-        let stored =
-            http::storable(response.headers.len(), response.body.len()).then(|| response.clone());
-        let disposition = match http::classify_status(response.status) {
-            Some(Disposition::Retryable)
-                if response.status >= 500 && server_errors == ServerErrors::Store =>
-            {
-                Some(Disposition::Final)
-            }
-            other => other,
+        let server_errors = match server_errors {
+            ServerErrors::Retry => idem_http::ServerErrors::Retry,
+            ServerErrors::Store => idem_http::ServerErrors::Store,
         };
-        match disposition {
-            None => Outcome::Complete(Success {
-                result_ref: None,
+        let verdict = idem_http::classify_status(response.status, server_errors);
+        let stored = (verdict.stores_response()
+            && idem_http::storable(response.headers.len(), response.body.len()))
+        .then(|| response.clone());
+        let disposition = match verdict {
+            idem_http::Verdict::Complete => {
+                return Outcome::Complete(Success {
+                    result_ref: None,
+                    response: stored,
+                });
+            }
+            idem_http::Verdict::Final => Disposition::Final,
+            idem_http::Verdict::Retryable => Disposition::Retryable,
+        };
+        Outcome::Fail(
+            Failure {
+                code: format!("http-{}", response.status),
+                message: format!("the handler answered {}", response.status),
                 response: stored,
-            }),
-            Some(disposition) => Outcome::Fail(
-                Failure {
-                    code: format!("http-{}", response.status),
-                    message: format!("the handler answered {}", response.status),
-                    response: stored.filter(|_| disposition == Disposition::Final),
-                },
-                disposition,
-            ),
-        }
+            },
+            disposition,
+        )
     }
 
     fn without_response(self) -> Outcome {
@@ -301,13 +265,7 @@ fn execute(
 ) {
     let capture = ResponseCapture::new();
     let Some(param) = capture.outparam() else {
-        return send_problem(
-            out,
-            &Problem::new(
-                ProblemType::InternalError,
-                "The host gave no response slot for the handler.",
-            ),
-        );
+        return send_problem(out, &Problem::no_response_slot());
     };
     handler(ticket, request, param);
     let policy = &route.policy;
@@ -322,7 +280,7 @@ fn execute(
         Err(message) => {
             let failure = Failure {
                 code: "handler-failed".to_owned(),
-                message: truncate(&message, 4096),
+                message: truncate(&message, MAX_FAILURE_MESSAGE_BYTES).to_owned(),
                 response: None,
             };
             let _ = settle(
@@ -330,123 +288,64 @@ fn execute(
                 policy,
                 Outcome::Fail(failure, Disposition::OutcomeUnknown),
             );
-            send_problem(
-                out,
-                &Problem::new(
-                    ProblemType::OutcomeUnknown,
-                    "The handler gave no complete response; the request may or may not have taken effect. Requests with this Idempotency-Key are refused until the outcome is settled.",
-                )
-                .with_status(500),
-            );
+            send_problem(out, &Problem::handler_incomplete());
         }
     }
 }
 
 /// `text` cut to at most `max` bytes at a character boundary.
-fn truncate(text: &str, max: usize) -> String {
+fn truncate(text: &str, max: usize) -> &str {
     let mut end = text.len().min(max);
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    text[..end].to_string()
+    &text[..end]
 }
 
-/// Why no scope could be derived from a keyed request.
-enum ScopeProblem {
-    /// The header that names the client is repeated or not text: 400.
-    Invalid(String),
-    /// The request names no client and the route refuses such requests.
-    Unidentified(Option<String>),
-    /// The route identifies unnamed clients by address and the host gave
-    /// none.
-    NoAddress,
-}
+/// The client's address as the host gave it, for
+/// [`idem_http::AnonymousMode::ClientAddress`]: hashed as given, the
+/// host having put it in its canonical form (`http-bridge.client-address`).
+struct HostAddress(String);
 
-/// Lowercase hex.
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(char::from(DIGITS[usize::from(b >> 4)]));
-        s.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+impl idem_http::PeerAddress for HostAddress {
+    fn canonical_text(&self) -> String {
+        self.0.clone()
     }
-    s
 }
 
-/// The scope of a keyed request's key, as `idem serve` derives it:
-/// `hdr:<value>` from the route's scope header, else `auth:<hex SHA-256>`
-/// of `Authorization`, else as the route's `anonymous` says.
+/// The scope of a keyed request's key ([`idem_http::derive_scope`]).
 fn scope_of(
     request: &IncomingRequest,
     headers: &[(String, Vec<u8>)],
     route: &Route,
-) -> Result<String, ScopeProblem> {
-    if let Some(name) = &route.scope_header {
-        match values(headers, name).as_slice() {
-            [] => {}
-            [value] => {
-                return core::str::from_utf8(value)
-                    .ok()
-                    .filter(|t| !t.chars().any(char::is_control))
-                    .map(|t| format!("hdr:{t}"))
-                    .ok_or_else(|| {
-                        ScopeProblem::Invalid(format!("the {name} header is not printable text"))
-                    });
-            }
-            _ => {
-                return Err(ScopeProblem::Invalid(format!(
-                    "the {name} header occurs more than once"
-                )));
-            }
-        }
-    }
-    let authorization = values(headers, "authorization");
+) -> Result<String, idem_http::ScopeError> {
+    let scope_values = route
+        .scope_header
+        .as_deref()
+        .map(|name| values(headers, name))
+        .unwrap_or_default();
+    let scope_header = route
+        .scope_header
+        .as_deref()
+        .map(|name| idem_http::ScopeHeader {
+            name,
+            values: &scope_values,
+        });
     let anonymous = match route.anonymous {
-        AnonymousMode::Shared => http::Anonymous::Shared,
-        AnonymousMode::Reject | AnonymousMode::ClientAddress => http::Anonymous::Reject,
+        AnonymousMode::Reject => idem_http::AnonymousMode::Reject,
+        AnonymousMode::Shared => idem_http::AnonymousMode::Shared,
+        AnonymousMode::ClientAddress => idem_http::AnonymousMode::ClientAddress,
     };
-    match http::scope(&authorization, anonymous) {
-        Ok(scope) => Ok(scope),
-        Err(e @ http::ScopeError::RepeatedAuthorization) => {
-            Err(ScopeProblem::Invalid(e.to_string()))
-        }
-        Err(http::ScopeError::Unidentified) if route.anonymous == AnonymousMode::ClientAddress => {
-            let address = http_bridge::client_address(request).ok_or(ScopeProblem::NoAddress)?;
-            Ok(format!(
-                "addr:{}",
-                hex(&sha2::Sha256::digest(address.as_bytes()))
-            ))
-        }
-        Err(http::ScopeError::Unidentified) => {
-            Err(ScopeProblem::Unidentified(route.scope_header.clone()))
-        }
-    }
-}
-
-fn scope_problem(problem: ScopeProblem) -> Problem {
-    match problem {
-        ScopeProblem::Invalid(what) => Problem::new(
-            ProblemType::InvalidRequest,
-            format!("{what}. Send it once, as printable text."),
-        )
-        .with("field", "scope"),
-        ScopeProblem::Unidentified(header) => {
-            let how = match header {
-                Some(name) => format!("an Authorization header or the {name} header"),
-                None => "an Authorization header".to_owned(),
-            };
-            Problem::new(
-                ProblemType::ClientUnidentified,
-                format!(
-                    "Requests with an Idempotency-Key must say who the client is, so that no client receives another's stored response. Send {how}, then retry with the same Idempotency-Key: nothing was stored."
-                ),
-            )
-        }
-        ScopeProblem::NoAddress => Problem::new(
-            ProblemType::InternalError,
-            "The host cannot tell this client apart from others and the request was not run. Send an Authorization header.",
-        ),
-    }
+    // Ask the host for the address only when the scope needs it.
+    let client = (anonymous == idem_http::AnonymousMode::ClientAddress)
+        .then(|| http_bridge::client_address(request).map(HostAddress))
+        .flatten();
+    idem_http::derive_scope(
+        scope_header,
+        &values(headers, "authorization"),
+        anonymous,
+        client,
+    )
 }
 
 /// The middleware around `handler`: what the exported `incoming-handler`
@@ -465,92 +364,43 @@ pub fn wrap(
     handler: impl FnOnce(&Ticket, IncomingRequest, ResponseOutparam),
 ) {
     let method = method_name(&request.method());
-    if http::is_safe_method(&method) {
+    if idem_http::is_safe_method(&method) {
         return inner::handle(request, out);
     }
     let Some(route) = http_bridge::request_route(&request) else {
-        return send_problem(
-            out,
-            &Problem::new(
-                ProblemType::InternalError,
-                "The host gave no route for this request, and it was not run.",
-            ),
-        );
+        return send_problem(out, &Problem::no_route());
     };
     // The headers are a child of the request: read them, then let them
     // go before the request is handed on.
     let headers = request.headers().entries();
-    let keys = values(&headers, http::IDEMPOTENCY_KEY);
-    let key = match keys.as_slice() {
+    let key = match values(&headers, idem_http::IDEMPOTENCY_KEY).as_slice() {
         [] if route.key == KeyRequirement::Required => {
-            return send_problem(
-                out,
-                &Problem::new(
-                    ProblemType::KeyMissing,
-                    format!(
-                        "{method} requests to this endpoint need an Idempotency-Key header. Send a new unique key (e.g. a UUID) with each new request, and the same key when you retry it."
-                    ),
-                ),
-            );
+            return send_problem(out, &Problem::key_missing(&method));
         }
         [] => return inner::handle(request, out),
-        [value] => match http::parse_idempotency_key(value) {
+        [value] => match idem_http::parse_idempotency_key(value) {
             Ok(key) => key,
-            Err(e) => {
-                return send_problem(
-                    out,
-                    &Problem::new(
-                        ProblemType::KeyInvalid,
-                        format!(
-                            "{e}. Send the key as a Structured Field string such as \"8e03978e-40d5-43e8-bc93-6894a57f9324\", or as the bare value."
-                        ),
-                    ),
-                );
-            }
+            Err(e) => return send_problem(out, &Problem::key_invalid(&e)),
         },
-        _ => {
-            return send_problem(
-                out,
-                &Problem::new(
-                    ProblemType::KeyInvalid,
-                    "Several Idempotency-Key headers were sent. Send exactly one.",
-                ),
-            );
-        }
+        _ => return send_problem(out, &Problem::several_keys()),
     };
     let scope = match scope_of(&request, &headers, &route) {
         Ok(scope) => scope,
-        Err(problem) => return send_problem(out, &scope_problem(problem)),
+        Err(e) => {
+            return send_problem(out, &Problem::scope(&e, route.scope_header.as_deref()));
+        }
     };
     let body = match http_bridge::request_body(&request) {
         Ok(body) => body,
         Err(BodyError::TooLarge(limit)) => {
-            return send_problem(
-                out,
-                &Problem::new(
-                    ProblemType::BodyTooLarge,
-                    format!(
-                        "The request body is over the limit of {limit} bytes. Send a smaller body."
-                    ),
-                )
-                .with("max_body_bytes", limit),
-            );
+            return send_problem(out, &Problem::body_too_large(limit));
         }
-        Err(BodyError::Unreadable(_)) => {
-            return send_problem(
-                out,
-                &Problem::new(
-                    ProblemType::InvalidRequest,
-                    "The request body could not be read completely. Send it again with the same Idempotency-Key.",
-                ),
-            );
-        }
+        Err(BodyError::Unreadable(_)) => return send_problem(out, &Problem::body_unreadable()),
     };
-    let content_type = values(&headers, "content-type");
-    let kind = http::body_kind(match content_type.as_slice() {
-        [one] => Some(one),
-        _ => None,
-    });
+    let body_kind = match idem_http::body_kind(values(&headers, "content-type").first().copied()) {
+        idem_http::BodyKind::Json => BodyKind::Json,
+        idem_http::BodyKind::Raw => BodyKind::Raw,
+    };
     let path = request.path_with_query().unwrap_or_else(|| "/".into());
     let begin = BeginRequest {
         key: RecordKey {
@@ -559,19 +409,37 @@ pub fn wrap(
             idem_key: key,
         },
         attributes: Vec::from([("method".into(), method), ("path".into(), path)]),
-        body_kind: kind,
+        body_kind,
         body,
         policy: route.policy.clone(),
     };
-    match machine::begin(&Imports, &begin) {
-        Ok(Decision::Execute(ticket)) => execute(request, out, &ticket, &route, handler),
-        Ok(decision) => answer(out, decision),
-        Err(e) => send_problem(out, &engine_error_problem(&e)),
+    let decision = match machine::begin(&Imports, &begin) {
+        Ok(decision) => decision,
+        Err(e) => return send_problem(out, &engine_error_problem(&e)),
+    };
+    match idem_http::answer(http_decision(decision)) {
+        Answer::Execute(ticket) => execute(request, out, &ticket, &route, handler),
+        Answer::Replay(stored) => respond(out, &stored, true),
+        Answer::Problem(problem) => send_problem(out, &problem),
     }
 }
 
 impl HandlerGuest for Component {
     fn handle(request: IncomingRequest, out: ResponseOutparam) {
         wrap(request, out, |_, request, out| inner::handle(request, out));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncate_keeps_whole_characters() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("abc", 2), "ab");
+        // "é" is two bytes: cutting inside it drops it whole.
+        assert_eq!(truncate("aé", 2), "a");
+        assert_eq!(truncate("", 0), "");
     }
 }

@@ -7,17 +7,18 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::component::{Component, Linker};
 
 use crate::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, InvalidInput, KeyStatus, Policy,
     ReconcileReport, Ticket,
 };
-use crate::bindings::{self, Conv, wit_engine, wit_store, wit_types};
+use crate::bindings::{self, Conv, wit_engine};
 use crate::bounds::{Flavor, Guard, GuestBounds, Stopped};
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
+use crate::embed::{self, IdemCtx, IdemCtxBuilder};
 use crate::store::{SqliteStore, Storage, StoreError};
-use crate::types::{Failure, RecordKey, Success, Timestamp};
+use crate::types::{Failure, RecordKey, Success};
 
 pub use crate::bounds::{DEFAULT_GUEST_DEADLINE, DEFAULT_MEMORY_LIMIT, EPOCH_TICK, PERF_MAP_VAR};
 
@@ -123,86 +124,13 @@ impl ResultLookup for NoLookup {
     }
 }
 
-/// What the guest's imports reach: one per wasmtime store.
+/// What the guest's imports reach, and the call's bounds: one per wasmtime
+/// store.
 pub(crate) struct HostState {
-    storage: Arc<dyn Storage>,
-    clock: Arc<dyn Clock>,
-    results: Arc<dyn ResultLookup>,
+    /// The imports, linked by [`embed::add_to_linker`] as any embedder's.
+    ctx: IdemCtx,
     /// The memory cap and the current call's budget of guest time.
     guard: Guard,
-}
-
-impl HostState {
-    /// The imports of one store: `storage`, `clock`, no result lookup,
-    /// guarded by `bounds`.
-    fn new(storage: Arc<dyn Storage>, clock: Arc<dyn Clock>, bounds: GuestBounds) -> Self {
-        HostState {
-            storage,
-            clock,
-            results: Arc::new(NoLookup),
-            guard: Guard::new(bounds, Flavor::Sync),
-        }
-    }
-}
-
-impl bindings::idem::engine::types::Host for HostState {}
-
-impl wit_store::Host for HostState {
-    fn insert_if_absent(
-        &mut self,
-        candidate: wit_types::StoredRecord,
-    ) -> Result<wit_store::InsertOutcome, wit_store::StoreError> {
-        self.storage.insert_if_absent(&candidate.conv()).conv()
-    }
-
-    fn get(
-        &mut self,
-        key: wit_types::RecordKey,
-    ) -> Result<Option<wit_types::StoredRecord>, wit_store::StoreError> {
-        self.storage.get(&key.conv()).conv()
-    }
-
-    fn compare_and_swap(
-        &mut self,
-        expected_revision: u64,
-        replacement: wit_types::StoredRecord,
-    ) -> Result<wit_store::SwapOutcome, wit_store::StoreError> {
-        self.storage
-            .compare_and_swap(expected_revision, &replacement.conv())
-            .conv()
-    }
-
-    fn delete_expired(&mut self, now: u64, limit: u32) -> Result<u32, wit_store::StoreError> {
-        self.storage.delete_expired(now, limit).conv()
-    }
-
-    fn list_stale(
-        &mut self,
-        biz_type: String,
-        now: u64,
-        limit: u32,
-    ) -> Result<Vec<wit_types::StoredRecord>, wit_store::StoreError> {
-        self.storage.list_stale(&biz_type, now, limit).conv()
-    }
-}
-
-impl bindings::idem::engine::clock::Host for HostState {
-    fn now(&mut self) -> Timestamp {
-        self.clock.now()
-    }
-
-    fn pause(&mut self, duration: u64) {
-        self.clock.pause(duration)
-    }
-}
-
-impl bindings::idem::engine::results::Host for HostState {
-    fn find_result(
-        &mut self,
-        key: wit_types::RecordKey,
-    ) -> Result<Option<String>, wit_store::StoreError> {
-        self.results.find_result(&key.conv()).conv()
-    }
 }
 
 /// A compiled component, ready to instantiate.
@@ -214,8 +142,7 @@ struct Loaded {
 fn load(engine: &wasmtime::Engine, wasm: &[u8]) -> Result<bindings::IdemPre<HostState>, Error> {
     let component = Component::new(engine, wasm).map_err(|e| Error::Load(format!("{e:#}")))?;
     let mut linker = Linker::<HostState>::new(engine);
-    bindings::Idem::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
-        .map_err(|e| Error::Load(format!("{e:#}")))?;
+    embed::add_to_linker(&mut linker, |s| &mut s.ctx).map_err(|e| Error::Load(format!("{e:#}")))?;
     let pre = linker
         .instantiate_pre(&component)
         .map_err(|e| Error::Load(format!("{e:#}")))?;
@@ -251,10 +178,9 @@ struct Instance {
 
 struct Shared {
     loaded: Loaded,
-    storage: Arc<dyn Storage>,
+    /// The imports every instance's store starts with.
+    ctx: IdemCtx,
     sqlite: Option<SqliteStore>,
-    clock: Arc<dyn Clock>,
-    results: Arc<dyn ResultLookup>,
     bounds: GuestBounds,
     /// Idle instances, reused across calls; an instance that trapped is
     /// never put back.
@@ -263,10 +189,8 @@ struct Shared {
 
 /// Builds an [`Engine`].
 pub struct EngineBuilder {
-    storage: Option<Arc<dyn Storage>>,
+    ctx: IdemCtxBuilder,
     sqlite: Option<SqliteStore>,
-    clock: Arc<dyn Clock>,
-    results: Arc<dyn ResultLookup>,
     guest: Option<Vec<u8>>,
     memory_limit: usize,
     guest_deadline: Duration,
@@ -304,20 +228,20 @@ impl EngineBuilder {
         self.sqlite = (&storage as &dyn Any)
             .downcast_ref::<SqliteStore>()
             .cloned();
-        self.storage = Some(Arc::new(storage));
+        self.ctx = self.ctx.storage(storage);
         self
     }
 
     /// The clock; the system clock by default.
     pub fn clock<C: Clock>(mut self, clock: C) -> Self {
-        self.clock = Arc::new(clock);
+        self.ctx = self.ctx.clock(clock);
         self
     }
 
     /// The business-result lookup used by reconciliation. Without one,
     /// reconciliation reports that it cannot tell.
     pub fn results<R: ResultLookup>(mut self, results: R) -> Self {
-        self.results = Arc::new(results);
+        self.ctx = self.ctx.results(results);
         self
     }
 
@@ -338,9 +262,10 @@ impl EngineBuilder {
     /// Compiles (or reuses) the component and checks that it fits idem's
     /// world: a missing or mismatched import or export fails here.
     pub fn build(self) -> Result<Engine, Error> {
-        let storage = self
-            .storage
-            .ok_or_else(|| Error::Load("no storage was given to the engine builder".into()))?;
+        let ctx = self
+            .ctx
+            .build()
+            .map_err(|_| Error::Load("no storage was given to the engine builder".into()))?;
         let loaded = match self.guest {
             None => default_loaded()?,
             Some(wasm) => {
@@ -352,10 +277,8 @@ impl EngineBuilder {
         Ok(Engine {
             shared: Arc::new(Shared {
                 loaded,
-                storage,
                 sqlite: self.sqlite,
-                clock: self.clock,
-                results: self.results,
+                ctx,
                 bounds: GuestBounds {
                     deadline: self.guest_deadline,
                     memory_bytes: self.memory_limit,
@@ -431,10 +354,8 @@ impl Engine {
     /// A builder with the system clock and the default guest.
     pub fn builder() -> EngineBuilder {
         EngineBuilder {
-            storage: None,
+            ctx: IdemCtx::builder(),
             sqlite: None,
-            clock: Arc::new(SystemClock::new()),
-            results: Arc::new(NoLookup),
             guest: None,
             memory_limit: DEFAULT_MEMORY_LIMIT,
             guest_deadline: DEFAULT_GUEST_DEADLINE,
@@ -445,12 +366,13 @@ impl Engine {
     /// ([`Storage::blocks_on_io`]). Async hosts run such calls on a
     /// blocking thread, and the others on the calling thread.
     pub fn blocks_on_io(&self) -> bool {
-        self.shared.storage.blocks_on_io() || self.shared.results.blocks_on_io()
+        let ctx = &self.shared.ctx;
+        ctx.storage.blocks_on_io() || ctx.results.blocks_on_io()
     }
 
     /// The clock the engine reads.
     pub fn clock(&self) -> &dyn Clock {
-        &*self.shared.clock
+        &*self.shared.ctx.clock
     }
 
     /// The names of the component's imports, as `interface#function`-free
@@ -475,12 +397,10 @@ impl Engine {
         if let Some(inst) = idle {
             return Ok(inst);
         }
-        let mut state = HostState::new(
-            self.shared.storage.clone(),
-            self.shared.clock.clone(),
-            self.shared.bounds,
-        );
-        state.results = self.shared.results.clone();
+        let state = HostState {
+            ctx: self.shared.ctx.clone(),
+            guard: Guard::new(self.shared.bounds, Flavor::Sync),
+        };
         let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
         Guard::install(&mut store, |state| &mut state.guard);
         let idem = self
@@ -504,11 +424,11 @@ impl Engine {
     ) -> Result<R, Error> {
         let mut inst = self.instance()?;
         if let Some(storage) = storage {
-            inst.store.data_mut().storage = storage;
+            inst.store.data_mut().ctx.storage = storage;
         }
         Guard::start(&mut inst.store, |state| &mut state.guard);
         let outcome = f(inst.idem.idem_engine_engine(), &mut inst.store);
-        inst.store.data_mut().storage = self.shared.storage.clone();
+        inst.store.data_mut().ctx.storage = self.shared.ctx.storage.clone();
         match outcome {
             Ok(answer) => {
                 self.shared

@@ -30,6 +30,7 @@ pub mod api;
 mod bindings;
 pub mod bounds;
 pub mod clock;
+pub mod embed;
 pub mod engine;
 pub mod layer;
 #[cfg(feature = "middleware")]

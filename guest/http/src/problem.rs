@@ -316,7 +316,7 @@ impl Problem {
             }
             ScopeError::NoClientAddress => Problem::new(
                 ProblemType::InternalError,
-                "The proxy cannot tell this client apart from others and did not forward the request. Send an Authorization header.",
+                "idem cannot tell this client apart from others, and the request was not run. Send an Authorization header.",
             ),
         }
     }
@@ -507,6 +507,15 @@ impl Problem {
         Problem::new(
             ProblemType::InternalError,
             "The host gave no response slot for the handler.",
+        )
+    }
+
+    /// The middleware's host gave no route for the request, so nothing
+    /// says how to treat it: it is not run.
+    pub fn no_route() -> Self {
+        Problem::new(
+            ProblemType::InternalError,
+            "The host gave no route for this request, and it was not run.",
         )
     }
 
@@ -793,6 +802,7 @@ mod tests {
             Problem::not_completed(),
             Problem::not_replayable(),
             Problem::engine_failed(),
+            Problem::no_route(),
         ] {
             assert_eq!((p.kind, p.status), (ProblemType::InternalError, 500));
         }
