@@ -85,6 +85,16 @@ impl App {
                     },
                 ),
             )
+            .route(
+                "/panic",
+                post(|State(app): State<App>| async move {
+                    app.count();
+                    if app.runs() > 0 {
+                        panic!("a handler bug");
+                    }
+                    "unreachable"
+                }),
+            )
             .route("/health", get(|| async { "ok" }))
             .with_state(self.clone())
     }
@@ -301,6 +311,30 @@ async fn a_duplicate_while_the_first_runs_is_409_and_a_lost_client_does_not_canc
     assert_eq!(replay.body, "slow 1");
     assert!(replay.replayed());
     assert_eq!(app.runs(), 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_panics_gets_a_500_and_its_key_is_not_run_again() -> Result<()> {
+    let (app, router, store) = app("")?;
+    let first = send(&router, request("POST", "/panic", Some("p"), "{}")).await?;
+    assert_eq!(
+        first.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{}",
+        first.body
+    );
+    assert_eq!(first.problem_type(), "internal-error");
+    // The handler may have taken effect before it panicked: the key stays
+    // claimed until its lease ends, and a retry is not run meanwhile.
+    let retry = send(&router, request("POST", "/panic", Some("p"), "{}")).await?;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    assert_eq!(retry.problem_type(), "request-in-progress");
+    assert_eq!(app.runs(), 1);
+    assert_eq!(store.len(), 1);
+    // The service still answers other requests.
+    let other = send(&router, request("POST", "/orders", Some("o"), "{}")).await?;
+    assert_eq!(other.status, StatusCode::CREATED);
     Ok(())
 }
 

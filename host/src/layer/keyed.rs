@@ -1,7 +1,9 @@
 //! One request through the layer: key, scope, body, decision, and for
 //! `execute` the inner call, the heartbeat and the stored outcome.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +16,7 @@ use tower::{Service, ServiceExt};
 use tracing::Instrument;
 
 use super::body::{BufferedResponse, DRAIN_MAX_BYTES, drain, truncate};
+use super::detach::{Detach, Panicked};
 use super::{BoxError, Claim, InnerFailure, Shared};
 use crate::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, InProgressMode, Policy, Ticket,
@@ -61,32 +64,22 @@ where
         biz_type = %route.biz_type,
         scope = tracing::field::Empty,
     );
-    if shared.on_thread(&route.policy) {
-        // The engine answers on this thread: nothing is claimed before the
-        // decision, and a claimed request moves to a task of its own with
-        // no await in between, so a client that hangs up can never drop a
-        // claim. Replays and refusals need no task at all.
-        return shared.keyed(inner, request, route).instrument(span).await;
-    }
-    // The engine answers on the blocking pool, and the decision arrives at
-    // an await: the whole request runs on a task of its own, so that if
-    // the client hangs up a claimed key is still run once and its outcome
-    // stored.
-    let task = shared.tasks.clone().spawn(
-        {
-            let shared = shared.clone();
-            async move { shared.keyed(inner, request, route).await }
-        }
-        .instrument(span),
-    );
-    joined(task.await)
+    // The request runs on this task, and on a task of its own only if the
+    // client hangs up before it finished (`Detach`): once claimed, a key
+    // is run once and its outcome stored whatever the client does. The
+    // tracker lets `IdempotencyLayer::finish` wait for it either way.
+    let request = shared
+        .tasks
+        .track_future(shared.clone().keyed(inner, request, route))
+        .instrument(span);
+    detached(Detach::new(request).await)
 }
 
-/// The answer of a request's task; a task that panicked or was cancelled
-/// is answered as not completed.
-fn joined(answer: Result<Response<Body>, tokio::task::JoinError>) -> Response<Body> {
-    answer.unwrap_or_else(|e| {
-        tracing::error!(error = %e, "a request task failed");
+/// The answer of a request; one that panicked is answered as not
+/// completed.
+fn detached(answer: Result<Response<Body>, Panicked>) -> Response<Body> {
+    answer.unwrap_or_else(|Panicked(message)| {
+        tracing::error!(panic = %message, "a request panicked");
         Problem::from(idem_http::Problem::not_completed()).into_response()
     })
 }
@@ -275,16 +268,6 @@ impl Shared {
             self.metrics.mismatch();
         }
         match idem_http::answer(http_decision(decision)) {
-            idem_http::Answer::Execute(ticket) if on_thread => {
-                // Claimed: from here on the request runs to its stored
-                // outcome even if the caller goes away (see `handle`).
-                let shared = self.clone();
-                let task = self.tasks.spawn(
-                    async move { shared.execute(inner, parts, bytes, ticket, &route).await }
-                        .in_current_span(),
-                );
-                joined(task.await)
-            }
             idem_http::Answer::Execute(ticket) => {
                 self.execute(inner, parts, bytes, ticket, &route).await
             }
@@ -368,29 +351,21 @@ impl Shared {
         ResB: http_body::Body<Data = Bytes> + Send + 'static,
         ResB::Error: Into<BoxError>,
     {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let heartbeat = tokio::spawn(heartbeat(
-            self.clone(),
-            ticket.clone(),
-            route.policy.clone(),
-            stopped,
-        ));
         let mut request = Request::from_parts(parts, Body::from(body));
         request.extensions_mut().insert(Claim {
             ticket: ticket.clone(),
         });
         let started = Instant::now();
-        let answer = match call(inner, request).await {
-            Ok(response) => BufferedResponse::read(response)
-                .await
-                .map_err(InnerFailure::from_body_error),
-            Err(e) => Err(e),
+        let work = async {
+            match call(inner, request).await {
+                Ok(response) => BufferedResponse::read(response)
+                    .await
+                    .map_err(InnerFailure::from_body_error),
+                Err(e) => Err(e),
+            }
         };
+        let answer = self.with_heartbeat(&ticket, &route.policy, work).await;
         self.metrics.upstream_duration(started.elapsed());
-        // Stop the heartbeat and wait for an extend in flight, so that it
-        // never races the outcome below.
-        let _ = stop.send(());
-        let _ = heartbeat.await;
 
         let policy = &route.policy;
         match answer {
@@ -533,32 +508,74 @@ impl Outcome {
     }
 }
 
-/// Extends the lease every half lease until stopped or ownership is lost.
-async fn heartbeat(
-    shared: Arc<Shared>,
-    ticket: Ticket,
-    policy: Policy,
-    mut stop: tokio::sync::oneshot::Receiver<()>,
-) {
-    let period = Duration::from_millis((policy.lease_ms / 2).max(1));
-    loop {
-        tokio::select! {
-            _ = &mut stop => return,
-            () = tokio::time::sleep(period) => {}
+impl Shared {
+    /// Runs `work` while extending the key's lease every half lease (the
+    /// heartbeat), on this task: no task and no channel per request. An
+    /// extend in flight when `work` finishes is waited for, so that it
+    /// never races the outcome stored next. The heartbeat stops when the
+    /// key was taken over.
+    async fn with_heartbeat<T>(
+        &self,
+        ticket: &Ticket,
+        policy: &Policy,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let period = Duration::from_millis((policy.lease_ms / 2).max(1));
+        let beat = tokio::time::sleep(period);
+        tokio::pin!(work, beat);
+        let mut extending: Extending<'_> = None;
+        let mut beating = true;
+        loop {
+            tokio::select! {
+                biased;
+                output = &mut work => {
+                    if let Some(extend) = extending.take() {
+                        log_extension(extend.await);
+                    }
+                    return output;
+                }
+                answer = in_flight(&mut extending), if extending.is_some() => {
+                    extending = None;
+                    beating = log_extension(answer);
+                    beat.as_mut().reset(tokio::time::Instant::now() + period);
+                }
+                () = &mut beat, if beating && extending.is_none() => {
+                    let (t, p) = (ticket.clone(), policy.clone());
+                    extending = Some(Box::pin(
+                        self.engine_call(self.inline, move |e| e.extend(&t, &p)),
+                    ));
+                }
+            }
         }
-        let (t, p) = (ticket.clone(), policy.clone());
-        match shared
-            .engine_call(shared.inline, move |e| e.extend(&t, &p))
-            .await
-        {
-            Ok(Extension::Extended(until)) => {
-                tracing::debug!(lease_until = until, "lease extended");
-            }
-            Ok(Extension::LostOwnership) => {
-                tracing::warn!("the lease could not be extended: the key was taken over");
-                return;
-            }
-            Err(e) => tracing::warn!(error = %e, "the lease could not be extended"),
+    }
+}
+
+/// An extend in flight.
+type Extending<'a> = Option<Pin<Box<dyn Future<Output = Result<Extension, Error>> + Send + 'a>>>;
+
+/// The answer of the extend in flight; never, when there is none.
+async fn in_flight(extending: &mut Extending<'_>) -> Result<Extension, Error> {
+    match extending {
+        Some(extend) => extend.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Logs what an extend did; false once the key was taken over (the
+/// heartbeat stops).
+fn log_extension(answer: Result<Extension, Error>) -> bool {
+    match answer {
+        Ok(Extension::Extended(until)) => {
+            tracing::debug!(lease_until = until, "lease extended");
+            true
+        }
+        Ok(Extension::LostOwnership) => {
+            tracing::warn!("the lease could not be extended: the key was taken over");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the lease could not be extended");
+            true
         }
     }
 }

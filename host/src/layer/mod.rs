@@ -13,10 +13,11 @@
 //! the request's extensions. While the inner service runs, the layer
 //! extends the key's lease (the heartbeat); when it answers, the layer
 //! stores the outcome and answers the caller. Duplicates are answered from
-//! the store with `Idempotent-Replayed: true`. A claimed request runs on a
-//! task of its own: a client that hangs up never cuts it between the inner
+//! the store with `Idempotent-Replayed: true`. A request runs on its
+//! caller's task, and moves to a task of its own if the client hangs up:
+//! a client that goes away never cuts a claimed request between the inner
 //! call and the stored outcome, and [`IdempotencyLayer::finish`] waits for
-//! such tasks at shutdown.
+//! such requests at shutdown.
 //!
 //! The service needs no `spawn_blocking` of its own. Engine calls run on
 //! the request's own thread when the store answers in microseconds (SQLite,
@@ -42,6 +43,7 @@
 //! ```
 
 mod body;
+mod detach;
 pub(crate) mod error;
 mod future;
 mod keyed;
@@ -81,7 +83,8 @@ pub(crate) struct Shared {
     pub(crate) config: ProxyConfig,
     pub(crate) routes: RouteTable,
     pub(crate) metrics: Metrics,
-    /// Claimed requests in flight, each on a task of its own.
+    /// Requests in flight, on their callers' tasks or, once their clients
+    /// hung up, on tasks of their own.
     pub(crate) tasks: TaskTracker,
     /// Engine calls run on the request's own thread (the store answers in
     /// microseconds) rather than on the blocking pool.
