@@ -9,6 +9,8 @@ store on these functions: there is one copy of the marshalling.
 from __future__ import annotations
 
 import ctypes
+import json
+import struct
 import threading
 from importlib import resources
 from pathlib import Path
@@ -42,6 +44,11 @@ _VAL = ffi.wasmtime_component_val_t
 _VAL_SIZE = ctypes.sizeof(_VAL)
 _VAL_OF = _VAL.of.offset
 _U8_KIND = ffi.WASMTIME_COMPONENT_U8.value
+# The layout shared by wasm_byte_vec_t and the C API's list and record
+# vectors: the length, then the pointer to the elements (native sizes).
+# Read from a ctypes structure's buffer, it gives the pointer as an int
+# without a `ctypes.cast`.
+_VEC = struct.Struct("NP")
 _orig_to_c = ListType.convert_to_c
 _orig_from_c = ListType.convert_from_c
 
@@ -75,14 +82,14 @@ def _bytes_to_c(self: ListType, store: Any, val: Any, ptr: Any) -> None:
 def _bytes_from_c(self: ListType, c: Any) -> Any:
     if not _is_bytes(self):
         return _orig_from_c(self, c)
-    n = c.of.list.size
+    vec = c.of.list
+    n, address = _VEC.unpack_from(vec)
     try:
         if n == 0:
             return b""
-        address = ctypes.cast(c.of.list.data, ctypes.c_void_p).value
         return ctypes.string_at(address, n * _VAL_SIZE)[_VAL_OF::_VAL_SIZE]
     finally:
-        ffi.wasmtime_component_vallist_delete(ctypes.byref(c.of.list))
+        ffi.wasmtime_component_vallist_delete(ctypes.byref(vec))
 
 
 ListType.convert_to_c = _bytes_to_c  # type: ignore[method-assign]
@@ -172,46 +179,193 @@ def _str_to_capi(s: str) -> Any:
 ffi.str_to_capi = _str_to_capi
 
 
+class Lowered:
+    """A value lowered once into the C API's representation and copied
+    (one `wasmtime_component_val_clone`) into every call that passes it:
+    for values that do not change between calls, such as a policy. It may
+    stand for the value as an export's argument or as a record field."""
+
+    __slots__ = ("c",)
+
+    def __init__(self, ty: Any, value: Any):
+        c = ffi.wasmtime_component_val_t()
+        ty.convert_to_c(None, value, ctypes.pointer(c))
+        self.c = c
+
+    def copy_to(self, ptr: Any) -> None:
+        _val_clone(_byref(self.c), ptr)
+
+    def __del__(self) -> None:
+        c = getattr(self, "c", None)
+        if c is not None:
+            _val_delete(_byref(c))
+            self.c = None
+
+
+_val_clone = ffi.wasmtime_component_val_clone
+_val_delete = ffi.wasmtime_component_val_delete
+
+
+# A record is lowered into a copy of a template: the record with its field
+# names and every value `false`, made once per record type. One
+# `wasmtime_component_valrecord_copy` allocates all the names (instead of
+# one C call per name); then each value is written in place into the
+# copy's entries. Integers, booleans, strings, enums and absent options are
+# written with `struct.pack_into` straight into that memory (no ctypes
+# object per field); any other value goes through its type's conversion.
+
+_ENTRY = ffi.wasmtime_component_valrecord_entry_t
+_ENTRY_SIZE = ctypes.sizeof(_ENTRY)
+_ENTRY_VAL = _ENTRY.val.offset
+_OF = _VAL.of.offset
+_record_copy = ffi.wasmtime_component_valrecord_copy
+_record_delete = ffi.wasmtime_component_valrecord_delete
+# wasm_byte_vec_new writing the new vector at an address.
+_vec_new_at = _dll["wasm_byte_vec_new"]
+_vec_new_at.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_vec_new_at.restype = None
+_pack_into = struct.pack_into
+_KIND_ONLY = struct.Struct("<B")
+_KIND_NULL = struct.Struct(f"B{_OF - 1}xP")  # an option's `none`: the kind and a null pointer
+
+
+def _field_writer(ty: Any) -> Any:
+    """How a field of type `ty` is written in place: (how, struct, kind),
+    how being "int", "bool", "str", "option" or None (the type's own
+    conversion)."""
+    for cls, kind, fmt, mask in ((_t.U8, "U8", "B", 0xFF), (_t.U16, "U16", "H", 0xFFFF),
+                                 (_t.U32, "U32", "I", 0xFFFFFFFF), (_t.U64, "U64", "Q", (1 << 64) - 1),
+                                 (_t.S32, "S32", "I", 0xFFFFFFFF), (_t.S64, "S64", "Q", (1 << 64) - 1)):
+        if type(ty) is cls:
+            # Masked like a ctypes integer field (what the type's own conversion does).
+            return ("int", struct.Struct(f"<B{_OF - 1}x{fmt}"), getattr(ffi, f"WASMTIME_COMPONENT_{kind}").value, mask)
+    if type(ty) is _t.Bool:
+        return ("bool", struct.Struct(f"<B{_OF - 1}x?"), ffi.WASMTIME_COMPONENT_BOOL.value, None)
+    if type(ty) is _t.String:
+        return ("str", None, _STRING, None)
+    if type(ty) is _t.EnumType:
+        return ("str", None, _ENUM, None)
+    if type(ty) is _t.OptionType and not ty._tagged():
+        return ("option", None, _OPTION, None)
+    return (None, None, None, None)
+
+
+def _record_template(self: Any) -> Any:
+    d = self.__dict__
+    tpl = d.get("_idem_template")
+    if tpl is None:
+        fields = self.fields
+        raw = ffi.wasmtime_component_valrecord_t()
+        ffi.wasmtime_component_valrecord_new_uninit(raw, len(fields))
+        for i, (name, _ty) in enumerate(fields):
+            entry = raw.data[i]
+            entry.name = _str_to_capi(name)
+            entry.val.kind = ffi.WASMTIME_COMPONENT_BOOL
+            entry.val.of.boolean = False
+        writers = [(name, ty) + _field_writer(ty) for name, ty in fields]
+        # Kept for the life of the type object (types live as long as the
+        # component's functions): never deleted.
+        tpl = d["_idem_template"] = (raw, writers, len(fields) * _ENTRY_SIZE)
+    return tpl
+
+
+_ZERO_VAL = bytes(_VAL_SIZE)
+
+
 def _record_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
-    fields = self.fields
-    names = self.__dict__.get("_idem_names")
-    if names is None:
-        names = self.__dict__["_idem_names"] = [(b, len(b)) for b in (n.encode("utf-8") for n, _ in fields)]
+    if type(val) is Lowered:
+        return val.copy_to(ptr)
+    template, writers, size = _record_template(self)
     raw = ffi.wasmtime_component_valrecord_t()
-    ffi.wasmtime_component_valrecord_new_uninit(raw, len(fields))
-    i = 0
-    cleanup = True
+    _record_copy(_byref(raw), _byref(template))
+    base = _VEC.unpack_from(raw)[1]
+    mem = (ctypes.c_char * size).from_address(base)
+    off = _ENTRY_VAL
     try:
-        data = raw.data
-        for (name, ty), (arr, n) in zip(fields, names):
-            entry = data[i]
-            ty.convert_to_c(store, getattr(val, name), ctypes.pointer(entry.val))
-            entry.name = _name_vec(arr, n)
-            i += 1
-        ptr.contents.kind = ffi.WASMTIME_COMPONENT_RECORD
-        ptr.contents.of.record = raw
-        cleanup = False
-    finally:
-        if cleanup:
-            for j in range(i, len(fields)):
-                raw.data[j].val.kind = ffi.WASMTIME_COMPONENT_BOOL
-                raw.data[j].val.of.boolean = False
-            ffi.wasmtime_component_valrecord_delete(ctypes.byref(raw))
+        for name, ty, how, st, kind, mask in writers:
+            v = getattr(val, name)
+            if how == "int":
+                if not isinstance(v, int):
+                    raise TypeError(f"expected int for {type(ty).__name__} type")
+                st.pack_into(mem, off, kind, v & mask)
+            elif how == "str":
+                if not isinstance(v, str):
+                    raise TypeError("expected string type" if kind == _STRING else "expected str type")
+                b = v.encode("utf-8")
+                _KIND_ONLY.pack_into(mem, off, kind)
+                _vec_new_at(base + off + _OF, len(b), b)
+            elif how == "option" and v is None:
+                _KIND_NULL.pack_into(mem, off, kind, 0)
+            elif how == "bool":
+                if not isinstance(v, bool):
+                    raise TypeError("expected bool for Bool type")
+                st.pack_into(mem, off, kind, v)
+            else:
+                ty.convert_to_c(store, v, ctypes.pointer(_VAL.from_address(base + off)))
+            off += _ENTRY_SIZE
+    except BaseException:
+        # The values from the failed one on are not ours to free: make them `false`.
+        while off < size:
+            mem[off:off + _VAL_SIZE] = _ZERO_VAL
+            off += _ENTRY_SIZE
+        _record_delete(_byref(raw))
+        raise
+    c = ptr.contents
+    c.kind = ffi.WASMTIME_COMPONENT_RECORD
+    c.of.record = raw
+    return None
+
+
+# A record is lifted from one snapshot of its entries (`string_at`):
+# integers and booleans are unpacked from it, strings and enums decoded from
+# the bytes they point at (left for the record's delete to free), an absent
+# option read as None; any other value goes through its type's conversion,
+# which frees what it owns, and is then marked `false` in the record.
+
+_PTR = struct.Struct("P")
+_string_at = ctypes.string_at
+_memset = ctypes.memset
+
+
+def _field_reader(ty: Any) -> Any:
+    for cls, fmt in ((_t.U8, "B"), (_t.U16, "H"), (_t.U32, "I"), (_t.U64, "Q"), (_t.S32, "i"), (_t.S64, "q"),
+                     (_t.Bool, "?")):
+        if type(ty) is cls:
+            return ("num", struct.Struct(f"<{fmt}"))
+    if type(ty) in (_t.String, _t.EnumType):
+        return ("str", None)
+    if type(ty) is _t.OptionType and not ty._tagged():
+        return ("option", None)
+    return (None, None)
 
 
 def _record_from_c(self: Any, c: Any) -> Any:
+    d = self.__dict__
+    readers = d.get("_idem_readers")
+    if readers is None:
+        readers = d["_idem_readers"] = [(name, ty) + _field_reader(ty) for name, ty in self.fields]
+    rec = c.of.record
     try:
         ret = Record()
-        d = ret.__dict__
-        data = c.of.record.data
-        for i, (name, ty) in zip(range(c.of.record.size), self.fields):
-            raw_field = data[i]
-            d[name] = ty.convert_from_c(raw_field.val)
-            raw_field.val.kind = ffi.WASMTIME_COMPONENT_BOOL
-            raw_field.val.of.boolean = False
+        out = ret.__dict__
+        size, base = _VEC.unpack_from(rec)
+        snap = _string_at(base, size * _ENTRY_SIZE) if size else b""
+        off = _ENTRY_VAL
+        for (name, ty, how, st), _ in zip(readers, range(size)):
+            if how == "num":
+                out[name] = st.unpack_from(snap, off + _OF)[0]
+            elif how == "str":
+                n, p = _VEC.unpack_from(snap, off + _OF)
+                out[name] = _string_at(p, n).decode("utf-8") if n else ""
+            elif how == "option" and _PTR.unpack_from(snap, off + _OF)[0] == 0:
+                out[name] = None
+            else:
+                out[name] = ty.convert_from_c(_VAL.from_address(base + off))
+                _memset(base + off, 0, _VAL_SIZE)  # freed by the conversion: now `false`
+            off += _ENTRY_SIZE
         return ret
     finally:
-        ffi.wasmtime_component_valrecord_delete(c.of.record)
+        _record_delete(_byref(rec))
 
 
 _t.RecordType.convert_to_c = _record_to_c
@@ -307,7 +461,10 @@ def _call_export(func: Any, sig: _Signature, store: Any, params: tuple) -> Any:
     n = 0
     try:
         for ty, val in zip(sig.params, params):
-            ty.convert_to_c(store, val, ctypes.pointer(param_capi[n]))
+            if type(val) is Lowered:
+                val.copy_to(ctypes.pointer(param_capi[n]))
+            else:
+                ty.convert_to_c(store, val, ctypes.pointer(param_capi[n]))
             n += 1
         result_space = ffi.wasmtime_component_val_t() if sig.result is not None else None
         result_capi = ctypes.byref(result_space) if result_space is not None else None
@@ -362,11 +519,19 @@ def _add_import(instance: Any, name: str, func: Callable[..., Any]) -> None:
 # ------------------------------------------------------------ values
 
 
+_WIT_NAMES: dict[str, str] = {}
+
+
 def record(**fields: Any) -> Record:
     """A component record; Python names map to WIT names (`_` is `-`)."""
     r = Record()
+    d = r.__dict__
+    names = _WIT_NAMES
     for name, value in fields.items():
-        setattr(r, name.replace("_", "-"), value)
+        wit = names.get(name)
+        if wit is None:
+            wit = names[name] = name.replace("_", "-")
+        d[wit] = value
     return r
 
 
@@ -507,6 +672,26 @@ class Exports:
             index = instance.get_export_index(self.store, name, iface)
             f = instance.get_func(self.store, index)
             self.funcs[name] = (f, _Signature(f.type(self.store)))
+        # complete(ticket, policy, ...): the policy record's type.
+        self._policy_type = self.funcs["complete"][1].params[1]
+        self._policies: dict[str, Lowered] = {}
+
+    def policy(self, policy: dict[str, Any] | None) -> Any:
+        """`wit_policy(policy)` lowered once per distinct policy (see
+        `Lowered`): a policy is the largest argument of most calls and is
+        usually the same on every call. The key is the policy's JSON text,
+        so a dict changed after a call is looked up again; a policy that
+        is not plain JSON is converted on every call."""
+        try:
+            key = "null" if policy is None else json.dumps(policy, sort_keys=True)
+        except (TypeError, ValueError):
+            return wit_policy(policy)
+        lowered = self._policies.get(key)
+        if lowered is None:
+            if len(self._policies) >= 32:
+                self._policies.clear()
+            lowered = self._policies[key] = Lowered(self._policy_type, wit_policy(policy))
+        return lowered
 
     def call(self, name: str, *args: Any) -> Any:
         """Calls an export and returns its raw result (a tagged Variant)."""

@@ -12,7 +12,7 @@ from typing import Any, Optional, Protocol, Union
 
 from wasmtime.component import Record
 
-from ._host import Exports, Runtime, record, unwrap, wit_policy
+from ._host import Exports, Runtime, record, unwrap
 
 
 class Clock(Protocol):
@@ -227,7 +227,7 @@ class Idem:
         if not all(isinstance(a, tuple) and len(a) == 2 and all(isinstance(x, str) for x in a) for a in attrs):
             raise TypeError("begin: attributes must be a list of (name, value) str pairs")
         req = record(key=_key(scope, biz_type, key, "begin"), attributes=attrs, body_kind=kind, body=data,
-                     policy=wit_policy(policy))
+                     policy=self._exports.policy(policy))
         with self._lock:
             return decision_out(unwrap(self._exports.call("begin", req)))
 
@@ -236,7 +236,7 @@ class Idem:
         """Stores the success of the action owned by ``ticket``:
         "recorded" or "lost-ownership"."""
         success = record(result_ref=result_ref, response=_response_in(response))
-        return self._call("complete", ticket, wit_policy(policy), success).tag
+        return self._call("complete", ticket, self._exports.policy(policy), success).tag
 
     def fail(self, ticket: Any, policy: Optional[dict[str, Any]] = None, *, code: str, message: str = "",
              response: Optional[Response] = None, disposition: str = "retryable") -> str:
@@ -247,17 +247,17 @@ class Idem:
         if not isinstance(code, str):
             raise TypeError("fail: code must be a str")
         failure = record(code=code, message=str(message), response=_response_in(response))
-        return self._call("fail", ticket, wit_policy(policy), failure, disposition).tag
+        return self._call("fail", ticket, self._exports.policy(policy), failure, disposition).tag
 
     def extend(self, ticket: Any, policy: Optional[dict[str, Any]] = None) -> Optional[int]:
         """Extends the lease: the new end, or None when ownership was lost."""
-        x = self._call("extend", ticket, wit_policy(policy))
+        x = self._call("extend", ticket, self._exports.policy(policy))
         # extension is untagged in wasmtime-py: an int is `extended`, None is `lost-ownership`.
         return x if isinstance(x, int) else None
 
     def reconcile(self, biz_type: str, policy: Optional[dict[str, Any]] = None, limit: int = 100) -> dict[str, int]:
         """Settles up to ``limit`` stale records of ``biz_type``; the report."""
-        r = self._call("reconcile", biz_type, wit_policy(policy), limit)
+        r = self._call("reconcile", biz_type, self._exports.policy(policy), limit)
         return {k.replace("-", "_"): v for k, v in r.__dict__.items()}
 
     def sweep(self, limit: int = 100) -> int:

@@ -1,0 +1,71 @@
+"""The package's own conversions of component values (src/idem/_host.py):
+the policy lowered once per distinct value, records lowered into a copy of
+a per-type template and lifted from one snapshot, `list<u8>` in one pass."""
+
+import pytest
+
+from conftest import T0
+from idem import Response
+from idem._host import Lowered, record
+
+S, B = "tenant-1", "order.create"
+
+
+def test_a_policy_is_lowered_once_and_a_changed_one_again(env):
+    ex = env.idem._exports
+    policy = {"lease_ms": 1000}
+    first = ex.policy(policy)
+    assert isinstance(first, Lowered) and ex.policy({"lease_ms": 1000}) is first
+    d = env.idem.begin(S, B, "k1", body={}, policy=policy)
+    assert d.lease_until == T0 + 1000
+    policy["lease_ms"] = 2000  # the same dict, changed: looked up by its content
+    assert ex.policy(policy) is not first
+    env.clock.advance(1001)
+    e = env.idem.begin(S, B, "k1", body={}, policy=policy)
+    assert e.decision == "execute" and e.lease_until == T0 + 1001 + 2000
+    assert env.idem.begin(S, B, "k2", body={}).lease_until == T0 + 1001 + 60_000
+
+
+def test_a_wrong_policy_is_refused_on_every_call(env):
+    for _ in range(2):
+        with pytest.raises(ValueError, match="lease_ms"):
+            env.idem.begin(S, B, "k1", body={}, policy={"lease_ms": -1})
+        with pytest.raises(ValueError, match="not a policy field"):
+            env.idem.begin(S, B, "k1", body={}, policy={"nope": 1})
+    assert env.idem.begin(S, B, "k1", body={}).decision == "execute"
+
+
+def test_a_policy_that_is_not_plain_json_is_converted_each_time(env):
+    class Weird(dict):
+        pass
+
+    policy = {"fingerprint_fields": ("/sku",), "key_format": Weird(max_length=64)}
+    assert env.idem.begin(S, B, "k1", body={"sku": "A1"}, policy=policy).decision == "execute"
+    with pytest.raises(ValueError, match="lease_ms"):  # not JSON: converted, and refused, as before
+        env.idem._exports.policy({"lease_ms": object()})
+
+
+def test_a_wrong_field_type_fails_cleanly_and_the_instance_goes_on(env):
+    ex = env.idem._exports
+    with pytest.raises(TypeError):
+        ex.call("inspect", record(scope=1, biz_type=B, idem_key="k1"))
+    with pytest.raises(TypeError):
+        ex.call("inspect", record(scope=S, biz_type=B, idem_key=b"k1"))
+    d = env.idem.begin(S, B, "k1", body={})
+    with pytest.raises(TypeError):
+        env.idem.complete(d.ticket, response=Response(201, [("a", b"b")], "not bytes"))
+    assert env.idem.complete(d.ticket, result_ref="r") == "recorded"
+    assert env.idem.inspect(S, B, "k1")["status"] == "succeeded"
+
+
+@pytest.mark.parametrize("size", [0, 1, 1024, 70_000])
+def test_bodies_and_records_round_trip(env, size):
+    body = bytes(i % 256 for i in range(size))
+    resp = Response(299, [("x-a", b""), ("x-b", bytes(range(256)))], body)
+    d = env.idem.begin(S, B, f"k{size}", body=body)
+    assert env.idem.complete(d.ticket, result_ref=None, response=resp) == "recorded"
+    for _ in range(3):
+        r = env.idem.begin(S, B, f"k{size}", body=body)
+        assert r.decision == "replay" and r.response == resp and r.result_ref is None
+    status = env.idem.inspect(S, B, f"k{size}")
+    assert status["status"] == "succeeded" and status["attempts"] == 1
