@@ -443,6 +443,74 @@ _t.EnumType.convert_to_c = _enum_to_c
 _t.OptionType.convert_to_c = _option_to_c
 
 
+# Lifting variants, options and results: the case found in a dict made once
+# per type (instead of a search of the case list), the tag and strings read
+# with one `string_at`. Payloads are then handled as wasmtime-py does (the
+# payload's own conversion, the payload marked `false`, then deleted).
+
+_BOOL = ffi.WASMTIME_COMPONENT_BOOL.value
+
+
+def _case_map(self: Any) -> dict:
+    d = self.__dict__
+    m = d.get("_idem_case_map")
+    if m is None:
+        m = d["_idem_case_map"] = dict(self._cases())
+    return m
+
+
+def _lift(self: Any, tag: str, ptr: Any) -> Any:
+    cases = _case_map(self)
+    if tag not in cases:
+        raise ValueError(f"tag {tag} not found in variant cases")
+    ty = cases[tag]
+    tagged = self._tagged()
+    if ty is None:
+        return Variant(tag) if tagged else None
+    c = ptr.contents
+    payload = ty.convert_from_c(c)
+    c.kind = _BOOL
+    c.of.boolean = False
+    _val_delete(ptr)
+    return Variant(tag, payload) if tagged else payload
+
+
+def _variant_from_c(self: Any, c: Any) -> Any:
+    v = c.of.variant
+    n, p = _VEC.unpack_from(v)
+    tag = _string_at(p, n).decode("utf-8") if n else ""
+    ffi.wasm_byte_vec_delete(_byref(v.discriminant))
+    return _lift(self, tag, v.val)
+
+
+def _option_from_c(self: Any, c: Any) -> Any:
+    ptr = c.of.option
+    return _lift(self, "some" if ptr else "none", ptr)
+
+
+def _result_from_c(self: Any, c: Any) -> Any:
+    r = c.of.result
+    return _lift(self, "ok" if r.is_ok else "err", r.val)
+
+
+def _string_from_c(self: Any, c: Any) -> Any:
+    vec = c.of.string
+    n, p = _VEC.unpack_from(vec)
+    try:
+        return _string_at(p, n).decode("utf-8") if n else ""
+    finally:
+        ffi.wasm_byte_vec_delete(_byref(vec))
+
+
+for _cls in (_t.VariantType, _t.OptionType, _t.ResultType):
+    _cls._lift = _lift
+_t.VariantType.convert_from_c = _variant_from_c
+_t.OptionType.convert_from_c = _option_from_c
+_t.ResultType.convert_from_c = _result_from_c
+_t.String.convert_from_c = _string_from_c
+_t.EnumType.convert_from_c = _string_from_c  # an enum's case is its name, as a string
+
+
 class _Signature:
     """The parameter and result types of one function, asked once."""
 
