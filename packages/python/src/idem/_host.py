@@ -246,8 +246,34 @@ def _field_writer(ty: Any) -> Any:
     if type(ty) is _t.EnumType:
         return ("str", None, _ENUM, None)
     if type(ty) is _t.OptionType and not ty._tagged():
-        return ("option", None, _OPTION, None)
+        # `some` of an integer, a string or an enum is built here too (mask: the payload's writer).
+        payload = ty.payload
+        inner = _field_writer(payload)
+        return ("option", None, _OPTION, (payload,) + inner if inner[0] in ("int", "str") else None)
     return (None, None, None, None)
+
+
+# wasmtime_component_val_new (moves a value into a new box) on an address.
+_val_new_at = _dll["wasmtime_component_val_new"]
+_val_new_at.argtypes = [ctypes.c_void_p]
+_val_new_at.restype = ctypes.c_void_p
+
+
+def _some_to_c(inner: Any, v: Any, mem: Any, off: int) -> None:
+    """`some(v)` of an integer, string or enum option, written at mem[off]."""
+    _ty, how, st, kind, mask = inner
+    tmp = ctypes.create_string_buffer(_VAL_SIZE)
+    if how == "int":
+        if not isinstance(v, int):
+            raise TypeError(f"expected int for {type(_ty).__name__} type")
+        st.pack_into(tmp, 0, kind, v & mask)
+    else:
+        if not isinstance(v, str):
+            raise TypeError("expected string type" if kind == _STRING else "expected str type")
+        b = v.encode("utf-8")
+        _KIND_ONLY.pack_into(tmp, 0, kind)
+        _vec_new_at(ctypes.addressof(tmp) + _OF, len(b), b)
+    _KIND_NULL.pack_into(mem, off, _OPTION, _val_new_at(ctypes.addressof(tmp)))
 
 
 def _record_template(self: Any) -> Any:
@@ -296,6 +322,8 @@ def _record_to_c(self: Any, store: Any, val: Any, ptr: Any) -> None:
                 _vec_new_at(base + off + _OF, len(b), b)
             elif how == "option" and v is None:
                 _KIND_NULL.pack_into(mem, off, kind, 0)
+            elif how == "option" and mask is not None:
+                _some_to_c(mask, v, mem, off)
             elif how == "bool":
                 if not isinstance(v, bool):
                     raise TypeError("expected bool for Bool type")
