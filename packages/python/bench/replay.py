@@ -7,7 +7,9 @@ call whose key is already completed), in the same run.
     python bench/replay.py [--calls 5000] [--redis redis://127.0.0.1:6379/0]
 
 Also breaks down a 1 KiB-body replay: where wasmtime-py spends the time on
-``list<u8>`` with and without the package's bulk conversion. Not run by CI.
+``list<u8>`` with and without the package's bulk conversion; and splits a
+16 B and a 1 KiB replay into the component call (wasm and wasmtime's C API),
+the Python import callbacks and the Python around the call. Not run by CI.
 """
 
 import argparse
@@ -87,6 +89,58 @@ def powertools_side(calls, body_bytes, url):
     return result
 
 
+def time_split(calls, body_bytes):
+    """Where a replay's time goes: the component call (the wasm code and
+    wasmtime's C API, which converts every value, a `list<u8>` one value per
+    byte), the Python import callbacks inside it (the store's SQLite read and
+    decoding, lowering the stored record), and the Python outside it
+    (lowering the request, lifting the decision). Means of the fastest of 5
+    rounds; both clocks are wrapped around the calls for this only."""
+    import idem._host as host
+    from idem import Idem, Response, SqliteStore
+    from wasmtime import _ffi as ffi
+
+    path = os.path.join(tempfile.mkdtemp(prefix="idem-bench-"), "idem.db")
+    idem = Idem(SqliteStore(path))
+    payload = json.dumps({"sku": "A1", "qty": 2, "note": "x" * max(0, body_bytes - 40)}).encode()
+    key = f"bench-{uuid.uuid4()}"
+    d = idem.begin("tenant-1", "order.create", key, body=payload, body_kind="json")
+    idem.complete(d.ticket, result_ref="order-1", response=Response(201, [("content-type", b"application/json")],
+                                                                     b"y" * body_bytes))
+    spent = {"call": 0, "imports": 0}
+    catch, call = host.catch_exceptions, ffi.wasmtime_component_func_call
+
+    def timed(what, f):
+        def g(*a):
+            t = time.perf_counter_ns()
+            try:
+                return f(*a)
+            finally:
+                spent[what] += time.perf_counter_ns() - t
+        return g
+
+    host.catch_exceptions = timed("imports", catch)
+    ffi.wasmtime_component_func_call = timed("call", call)
+    try:
+        n = max(100, calls // 5)
+        for _ in range(min(200, n)):
+            idem.begin("tenant-1", "order.create", key, body=payload, body_kind="json")
+        rounds = []
+        for _ in range(5):
+            spent.update(call=0, imports=0)
+            start = time.perf_counter_ns()
+            for _ in range(n):
+                idem.begin("tenant-1", "order.create", key, body=payload, body_kind="json")
+            rounds.append(((time.perf_counter_ns() - start) / n, spent["call"] / n, spent["imports"] / n))
+    finally:
+        host.catch_exceptions, ffi.wasmtime_component_func_call = catch, call
+    total, inside, imports = (v / 1000 for v in min(rounds))
+    print(f"  {body_bytes:>5} B replay, {total:6.1f} us: wasm + wasmtime C API {inside - imports:6.1f} us, "
+          f"Python import callbacks {imports:6.1f} us, Python outside the call {total - inside:6.1f} us", flush=True)
+    return {"body_bytes": body_bytes, "total_us": total, "wasm_and_c_api_us": inside - imports,
+            "python_imports_us": imports, "python_outside_us": total - inside}
+
+
 def list_u8_breakdown(calls):
     """The cost of one 1 KiB list<u8> in begin's request, with wasmtime-py's
     own per-element conversion and with the package's bulk conversion."""
@@ -119,6 +173,8 @@ def main():
     except ImportError as e:
         print(f"Powertools is not installed ({e}): pip install 'idem-engine[bench]'", flush=True)
     out += list_u8_breakdown(a.calls)
+    print("where a replay's time goes (fastest of 5 rounds):", flush=True)
+    out += [time_split(a.calls, 16), time_split(a.calls, 1024)]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
