@@ -12,6 +12,7 @@ import ctypes
 import json
 import struct
 import threading
+import weakref
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
@@ -164,12 +165,6 @@ def _bytes_vec(b: bytes) -> Any:
     return vec
 
 
-def _name_vec(arr: Any, n: int) -> Any:
-    vec = _vec_t()
-    _vec_new(_byref(vec), n, arr)
-    return vec
-
-
 def _str_to_capi(s: str) -> Any:
     if not isinstance(s, str):
         raise TypeError("expected a string")
@@ -224,7 +219,6 @@ _record_delete = ffi.wasmtime_component_valrecord_delete
 _vec_new_at = _dll["wasm_byte_vec_new"]
 _vec_new_at.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _vec_new_at.restype = None
-_pack_into = struct.pack_into
 _KIND_ONLY = struct.Struct("<B")
 _KIND_NULL = struct.Struct(f"B{_OF - 1}xP")  # an option's `none`: the kind and a null pointer
 
@@ -289,9 +283,9 @@ def _record_template(self: Any) -> Any:
             entry.val.kind = ffi.WASMTIME_COMPONENT_BOOL
             entry.val.of.boolean = False
         writers = [(name, ty) + _field_writer(ty) for name, ty in fields]
-        # Kept for the life of the type object (types live as long as the
-        # component's functions): never deleted.
         tpl = d["_idem_template"] = (raw, writers, len(fields) * _ENTRY_SIZE)
+        # Freed with the type object (each instance's function types are its own).
+        weakref.finalize(self, _record_delete, _byref(raw))
     return tpl
 
 
