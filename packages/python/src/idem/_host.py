@@ -192,9 +192,9 @@ class Lowered:
 
     def __del__(self) -> None:
         c = getattr(self, "c", None)
-        if c is not None:
-            _val_delete(_byref(c))
+        if c is not None and _val_delete is not None:  # None: the interpreter is shutting down
             self.c = None
+            _val_delete(_byref(c))
 
 
 _val_clone = ffi.wasmtime_component_val_clone
@@ -207,7 +207,8 @@ _val_delete = ffi.wasmtime_component_val_delete
 # one C call per name); then each value is written in place into the
 # copy's entries. Integers, booleans, strings, enums and absent options are
 # written with `struct.pack_into` straight into that memory (no ctypes
-# object per field); any other value goes through its type's conversion.
+# object per field; native byte order, standard sizes, at the union's
+# offset); any other value goes through its type's conversion.
 
 _ENTRY = ffi.wasmtime_component_valrecord_entry_t
 _ENTRY_SIZE = ctypes.sizeof(_ENTRY)
@@ -219,7 +220,7 @@ _record_delete = ffi.wasmtime_component_valrecord_delete
 _vec_new_at = _dll["wasm_byte_vec_new"]
 _vec_new_at.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _vec_new_at.restype = None
-_KIND_ONLY = struct.Struct("<B")
+_KIND_ONLY = struct.Struct("=B")
 _KIND_NULL = struct.Struct(f"B{_OF - 1}xP")  # an option's `none`: the kind and a null pointer
 
 
@@ -232,9 +233,9 @@ def _field_writer(ty: Any) -> Any:
                                  (_t.S32, "S32", "I", 0xFFFFFFFF), (_t.S64, "S64", "Q", (1 << 64) - 1)):
         if type(ty) is cls:
             # Masked like a ctypes integer field (what the type's own conversion does).
-            return ("int", struct.Struct(f"<B{_OF - 1}x{fmt}"), getattr(ffi, f"WASMTIME_COMPONENT_{kind}").value, mask)
+            return ("int", struct.Struct(f"=B{_OF - 1}x{fmt}"), getattr(ffi, f"WASMTIME_COMPONENT_{kind}").value, mask)
     if type(ty) is _t.Bool:
-        return ("bool", struct.Struct(f"<B{_OF - 1}x?"), ffi.WASMTIME_COMPONENT_BOOL.value, None)
+        return ("bool", struct.Struct(f"=B{_OF - 1}x?"), ffi.WASMTIME_COMPONENT_BOOL.value, None)
     if type(ty) is _t.String:
         return ("str", None, _STRING, None)
     if type(ty) is _t.EnumType:
@@ -353,7 +354,7 @@ def _field_reader(ty: Any) -> Any:
     for cls, fmt in ((_t.U8, "B"), (_t.U16, "H"), (_t.U32, "I"), (_t.U64, "Q"), (_t.S32, "i"), (_t.S64, "q"),
                      (_t.Bool, "?")):
         if type(ty) is cls:
-            return ("num", struct.Struct(f"<{fmt}"))
+            return ("num", struct.Struct(f"={fmt}"))
     if type(ty) in (_t.String, _t.EnumType):
         return ("str", None)
     if type(ty) is _t.OptionType and not ty._tagged():
