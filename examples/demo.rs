@@ -7,7 +7,7 @@
 use anyhow::{Result, bail};
 use idem::{
     ActionResult, BeginRequest, Decision, Engine, ExpiredLease, ManualClock, Policy, RecordKey,
-    RunOutcome, SqliteOptions, SqliteStore, StoreError, Success,
+    RunInTransaction, RunOutcome, SqliteOptions, SqliteStore, StoreError, Success,
 };
 
 fn main() -> Result<()> {

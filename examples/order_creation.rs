@@ -18,7 +18,7 @@ use std::cell::Cell;
 use anyhow::{Result, bail};
 use idem::{
     ActionResult, BeginRequest, Decision, Engine, KeyCharset, KeyFormat, ManualClock, Policy,
-    RecordKey, RunOutcome, SqliteOptions, SqliteStore, StoredResponse, Success,
+    RecordKey, RunInTransaction, RunOutcome, SqliteOptions, SqliteStore, StoredResponse, Success,
 };
 
 mod common;

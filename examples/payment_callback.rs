@@ -16,8 +16,8 @@
 use anyhow::{Result, bail};
 use idem::{
     ActionResult, BeginRequest, Decision, Disposition, Engine, Failure, KeyCharset, KeyFormat,
-    ManualClock, Policy, RecordKey, RunOutcome, SqliteOptions, SqliteStore, StoredResponse,
-    Success,
+    ManualClock, Policy, RecordKey, RunInTransaction, RunOutcome, SqliteOptions, SqliteStore,
+    StoredResponse, Success,
 };
 
 mod common;

@@ -9,8 +9,8 @@ mod options;
 
 use anyhow::{Result, ensure};
 use idem::{
-    ActionResult, BeginRequest, Decision, Engine, Policy, RecordKey, RunOutcome, SqliteOptions,
-    SqliteStore, Success,
+    ActionResult, BeginRequest, Decision, Engine, Policy, RecordKey, RunInTransaction, RunOutcome,
+    SqliteOptions, SqliteStore, Success,
 };
 
 const THREADS: usize = 8;

@@ -1,9 +1,20 @@
 //! idem: an idempotency engine for APIs and message consumers.
 //!
+//! This crate is the one dependency most Rust services need: it gathers
+//! idem's crates behind one name, and holds `idem serve` (the proxy,
+//! [`proxy`]), `idem serve-component` ([`middleware`]) and the `idem` CLI.
+//! Each part is a crate of its own, so a service that wants less can depend
+//! on less:
+//!
+//! | crate | what it is | here as |
+//! |---|---|---|
+//! | `idem-engine` | the engine component on Wasmtime, the [`Storage`] contract, the memory store, the conformance suite (`testing`) | the crate root, [`engine`], [`store`] |
+//! | `idem-sqlite` | the SQLite backend and business transactions ([`RunInTransaction`]) | [`SqliteStore`] |
+//! | `idem-postgres` | the PostgreSQL backend | [`PostgresStore`] (feature `postgres`) |
+//! | `idem-layer` | the tower layer: HTTP rules, routes, problems, metrics | [`layer`] |
+//!
 //! The decisions are made by a WebAssembly component (the guest, built from
-//! `guest/` and embedded here); this crate runs it on Wasmtime and supplies
-//! its imports: storage ([`store`]), the time ([`clock`]) and a business
-//! result lookup ([`ResultLookup`]).
+//! `guest/`), which `idem-engine` embeds and runs.
 //!
 //! ```no_run
 //! use idem::{BeginRequest, Decision, Engine, Policy, RecordKey, SqliteStore, Success};
@@ -26,33 +37,31 @@
 
 #![warn(missing_docs)]
 
-pub mod api;
-mod bindings;
-pub mod bounds;
-pub mod clock;
-pub mod embed;
-pub mod engine;
-pub mod layer;
 #[cfg(feature = "middleware")]
 pub mod middleware;
 pub mod proxy;
-pub mod store;
-pub mod types;
 
-pub use api::{
-    BeginRequest, BodyKind, Busy, Completion, Decision, Disposition, ExpiredLease, Extension,
-    FailureMode, InProgressMode, InputField, InputRule, InvalidInput, KeyCharset, KeyFormat,
-    KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed, Ticket, UnknownInfo, WaitSpec,
+pub use idem_engine::{
+    ActionResult, BeginRequest, BodyKind, Busy, Clock, Completion, Decision, Disposition, Engine,
+    EngineBuilder, Error, ExpiredLease, Extension, Failure, FailureMode, FaultKind, GuestBounds,
+    InProgressMode, InputField, InputRule, InsertOutcome, InvalidInput, KeyCharset, KeyFormat,
+    KeyStatus, ManualClock, MemoryStore, MismatchInfo, PERF_MAP_VAR, Policy, ReconcileReport,
+    RecordKey, Replayed, ResultLookup, RunOutcome, Status, Storage, StoreError, StoredRecord,
+    StoredResponse, Success, SwapOutcome, SystemClock, Ticket, Timestamp, Transaction, UnknownInfo,
+    WaitSpec,
 };
-pub use bounds::GuestBounds;
-pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{
-    ActionResult, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup, RunOutcome,
-};
+pub use idem_engine::{api, bounds, clock, embed, engine, types};
+/// The HTTP idempotency layer (`idem-layer`).
+pub use idem_layer as layer;
 #[cfg(feature = "postgres")]
-pub use store::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
-pub use store::{FaultKind, MemoryStore, SqliteOptions, SqliteStore, Storage, StoreError};
-pub use types::{
-    Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, Success, SwapOutcome,
-    Timestamp,
-};
+pub use idem_postgres::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
+pub use idem_sqlite::{RunInTransaction, SqliteOptions, SqliteStore};
+
+/// Storage: the contract and the memory store (`idem-engine`), and the
+/// durable backends (`idem-sqlite`, `idem-postgres`).
+pub mod store {
+    pub use idem_engine::store::*;
+    #[cfg(feature = "postgres")]
+    pub use idem_postgres::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
+    pub use idem_sqlite::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous};
+}

@@ -67,16 +67,16 @@ use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::p2::types::{HostIncomingRequest, HostResponseOutparam};
 use wasmtime_wasi_http::{WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
-use crate::bindings::{Conv, wit_types};
-use crate::bounds::{Flavor, Guard, GuestBounds, Stopped};
-use crate::clock::Clock;
-use crate::engine::{NoLookup, ResultLookup};
+use idem_engine::bindings::{Conv, wit_types};
+use idem_engine::bounds::{Flavor, Guard, GuestBounds, Stopped};
+use idem_engine::clock::Clock;
+use idem_engine::engine::{NoLookup, ResultLookup};
+use idem_engine::{store::Storage, store::StoreError, types};
+
 use crate::proxy::config::{
     AnonymousMode, ConfigError, KeyRequirement, ProxyConfig, RouteTable, ServerErrors,
 };
 use crate::proxy::{Problem, ProblemType, ServeOptions};
-use crate::store::{Storage, StoreError};
-use crate::types;
 
 /// The middleware component built from `guest/` with its `middleware`
 /// feature by `build.rs`: compose it with a handler (`idem compose`).
@@ -114,7 +114,7 @@ mod bridge {
             "wasi:http/types": wasmtime_wasi_http::p2::bindings::http::types,
             "wasi:io": wasmtime_wasi::p2::bindings::io,
             "wasi:clocks": wasmtime_wasi::p2::bindings::clocks,
-            "idem:engine/types": crate::bindings::idem::engine::types,
+            "idem:engine/types": idem_engine::bindings::idem::engine::types,
             "idem:engine/http-bridge.response-capture": super::Capture,
         },
     });
@@ -482,7 +482,7 @@ impl ComponentServer {
         let routes = config.resolve()?;
         let bounds = config.guest_bounds()?;
         let load = |e: wasmtime::Error| ServeError::Load(format!("{e:#}"));
-        let engine = crate::bounds::wasmtime_engine().map_err(ServeError::Load)?;
+        let engine = idem_engine::bounds::wasmtime_engine().map_err(ServeError::Load)?;
         let component = Component::new(&engine, wasm).map_err(load)?;
         let mut linker = Linker::<State>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(load)?;
@@ -578,7 +578,7 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
 
 /// The answer to a request whose component failed before it answered.
 fn failure_problem(inner: &Inner, e: &wasmtime::Error) -> Response {
-    match crate::bounds::stopped(e) {
+    match idem_engine::bounds::stopped(e) {
         Some(Stopped::Deadline(limit)) => {
             tracing::error!(
                 deadline_ms = limit.as_millis(),
@@ -779,7 +779,7 @@ mod tests {
         let orders = route_for(&routes, &Method::POST, "/orders");
         assert_eq!(orders.biz_type, "order.create");
         assert_eq!(orders.policy.lease_ms, 5000);
-        let policy: crate::api::Policy = orders.policy.clone().conv();
+        let policy: idem_engine::api::Policy = orders.policy.clone().conv();
         assert_eq!(
             policy,
             config.policy_for("order.create"),
@@ -820,8 +820,8 @@ mod tests {
 
     #[test]
     fn a_server_refuses_a_bad_config_and_an_uncomposed_middleware() {
-        let store: Arc<dyn Storage> = Arc::new(crate::store::MemoryStore::new());
-        let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock::new());
+        let store: Arc<dyn Storage> = Arc::new(idem_engine::MemoryStore::new());
+        let clock: Arc<dyn Clock> = Arc::new(idem_engine::SystemClock::new());
         let error = |config: &ProxyConfig| {
             ComponentServer::new(MIDDLEWARE_GUEST, store.clone(), clock.clone(), config)
                 .err()
@@ -853,7 +853,7 @@ mod tests {
     #[test]
     fn compose_refuses_a_handler_that_exports_no_incoming_handler() {
         // The engine component exports only idem's `engine`.
-        let e = compose(MIDDLEWARE_GUEST, crate::engine::DEFAULT_GUEST).unwrap_err();
+        let e = compose(MIDDLEWARE_GUEST, idem_engine::engine::DEFAULT_GUEST).unwrap_err();
         assert!(e.to_string().contains("plugging"), "{e}");
     }
 }

@@ -32,7 +32,7 @@ mod options;
 use anyhow::{Context, Result, bail};
 use idem::{
     ActionResult, BeginRequest, Decision, Disposition, Engine, ExpiredLease, Failure, ManualClock,
-    Policy, RecordKey, RunOutcome, SqliteOptions, SqliteStore, Success, Ticket,
+    Policy, RecordKey, RunInTransaction, RunOutcome, SqliteOptions, SqliteStore, Success, Ticket,
 };
 
 /// The business table the tests count side effects in. No unique

@@ -1,5 +1,5 @@
 // The durable SQLite store, on better-sqlite3. The schema, the unique index
-// and the encoding are the Rust crate's (host/src/store/sqlite.rs): a file
+// and the encoding are the Rust crate's (host/sqlite/src/lib.rs): a file
 // written by one is read by the other, and processes in any of the
 // languages may use one file at once.
 

@@ -1,6 +1,6 @@
 """The durable SQLite store, on the standard library's sqlite3. The schema,
 the unique index and the encoding are the Rust crate's
-(host/src/store/sqlite.rs): a file written by one is read by the other, and
+(host/sqlite/src/lib.rs): a file written by one is read by the other, and
 processes in any of the languages may use one file at once."""
 
 from __future__ import annotations

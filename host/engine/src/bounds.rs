@@ -79,7 +79,7 @@ impl Default for GuestBounds {
 
 /// How a guest was stopped by its bounds, read back from the trap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Stopped {
+pub enum Stopped {
     /// It computed past its deadline.
     Deadline(Duration),
     /// It asked for more memory than its cap.
@@ -106,7 +106,7 @@ struct MemoryLimitExceeded {
 
 /// Whether `e`, the error of a call into a guest, is one of its bounds
 /// stopping it.
-pub(crate) fn stopped(e: &wasmtime::Error) -> Option<Stopped> {
+pub fn stopped(e: &wasmtime::Error) -> Option<Stopped> {
     if let Some(DeadlineExceeded(limit)) = e.downcast_ref::<DeadlineExceeded>() {
         return Some(Stopped::Deadline(*limit));
     }
@@ -119,7 +119,7 @@ pub(crate) fn stopped(e: &wasmtime::Error) -> Option<Stopped> {
 
 /// How a host calls its guests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Flavor {
+pub enum Flavor {
     /// With Wasmtime's synchronous API, each call on a thread of its own
     /// (the engine).
     Sync,
@@ -127,7 +127,7 @@ pub(crate) enum Flavor {
     /// middleware host: `wasi:http` is async). Such guests yield to the
     /// runtime at every epoch tick, so a guest that computes does not hold
     /// a runtime thread for its whole deadline.
-    #[cfg(feature = "middleware")]
+    #[cfg(feature = "async")]
     Async,
 }
 
@@ -135,14 +135,14 @@ pub(crate) enum Flavor {
 /// ticker thread that advances the epoch every [`EPOCH_TICK`] for as long
 /// as the engine lives, and a perf map when [`PERF_MAP_VAR`] is `1`. Both
 /// flavors of host use it as it is: Wasmtime 48 supports its async API on
-/// every engine once its `async` feature is on (the host's `middleware`
+/// every engine once its `async` feature is on (this crate's `async`
 /// feature turns it on).
 ///
 /// # Errors
 ///
 /// A sentence when Wasmtime refuses the configuration or the ticker thread
 /// cannot start.
-pub(crate) fn wasmtime_engine() -> Result<wasmtime::Engine, String> {
+pub fn wasmtime_engine() -> Result<wasmtime::Engine, String> {
     let mut config = wasmtime::Config::new();
     config.epoch_interruption(true);
     if std::env::var_os(PERF_MAP_VAR).is_some_and(|v| v == "1") {
@@ -175,7 +175,7 @@ fn ticks(d: Duration) -> u64 {
 /// The bounds of one Wasmtime store: lives in the store's data, wired to
 /// the store by [`Guard::install`], and reset at the start of every call by
 /// [`Guard::start`].
-pub(crate) struct Guard {
+pub struct Guard {
     bounds: GuestBounds,
     flavor: Flavor,
     /// Linear memory of the store's instances, all memories together.
@@ -195,7 +195,7 @@ pub(crate) struct Guard {
 
 impl Guard {
     /// A guard for a store of `flavor` bounded by `bounds`.
-    pub(crate) fn new(bounds: GuestBounds, flavor: Flavor) -> Self {
+    pub fn new(bounds: GuestBounds, flavor: Flavor) -> Self {
         Guard {
             bounds,
             flavor,
@@ -210,10 +210,7 @@ impl Guard {
 
     /// Wires the guard that `guard` finds in the store's data to `store`:
     /// the memory limiter, the epoch deadline and the call hook.
-    pub(crate) fn install<T: Send + 'static>(
-        store: &mut Store<T>,
-        guard: fn(&mut T) -> &mut Guard,
-    ) {
+    pub fn install<T: Send + 'static>(store: &mut Store<T>, guard: fn(&mut T) -> &mut Guard) {
         store.limiter(move |data| guard(data));
         store.epoch_deadline_callback(move |mut ctx| guard(ctx.data_mut()).on_epoch());
         store.call_hook(move |mut ctx, hook| {
@@ -224,7 +221,7 @@ impl Guard {
     }
 
     /// Starts the budget of a new call into the guest.
-    pub(crate) fn start<T>(store: &mut Store<T>, guard: fn(&mut T) -> &mut Guard) {
+    pub fn start<T>(store: &mut Store<T>, guard: fn(&mut T) -> &mut Guard) {
         let g = guard(store.data_mut());
         g.started = Instant::now();
         g.in_host = Duration::ZERO;
@@ -238,7 +235,7 @@ impl Guard {
     fn check_interval(&self, remaining: Duration) -> u64 {
         match self.flavor {
             Flavor::Sync => ticks(remaining),
-            #[cfg(feature = "middleware")]
+            #[cfg(feature = "async")]
             Flavor::Async => 1,
         }
     }
@@ -266,7 +263,7 @@ impl Guard {
         let next = self.check_interval(self.bounds.deadline - used);
         Ok(match self.flavor {
             Flavor::Sync => UpdateDeadline::Continue(next),
-            #[cfg(feature = "middleware")]
+            #[cfg(feature = "async")]
             Flavor::Async => {
                 let yielded = self.yielded.clone();
                 UpdateDeadline::YieldCustom(

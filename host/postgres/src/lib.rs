@@ -27,6 +27,8 @@
 //! opens, under a transaction-scoped advisory lock, so hosts that start
 //! together apply each migration exactly once.
 
+#![warn(missing_docs)]
+
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -35,11 +37,11 @@ use std::time::{Duration, Instant};
 use postgres::types::{FromSqlOwned, ToSql};
 use postgres::{Client, NoTls, Statement};
 
-use super::columns::{self, parse_status, saturate, to_json, to_u32, to_u64};
-use super::{Storage, StoreError};
-use crate::types::{
+use idem_engine::store::sql::{self as columns, parse_status, saturate, to_json, to_u32, to_u64};
+use idem_engine::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
 };
+use idem_engine::{Storage, StoreError};
 
 /// The table that records which migrations a schema has had.
 const VERSION_TABLE: &str = "idem_schema_version";
@@ -974,3 +976,6 @@ fn decode_row(row: &postgres::Row) -> Result<StoredRecord, StoreError> {
         failure: from_json::<Failure>(column(row, 16)?, "failure")?,
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,8 +1,8 @@
 //! What an inner service's error means for the key.
 
 use super::BoxError;
-use crate::api::Disposition;
-use crate::proxy::UpstreamError;
+use crate::response::UpstreamError;
+use idem_engine::api::Disposition;
 
 /// How the inner service failed to answer a request.
 ///
@@ -83,7 +83,7 @@ impl std::fmt::Display for InnerFailure {
 }
 
 /// An error and its sources, joined with `: `.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

@@ -11,8 +11,8 @@ use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 
 use super::BoxError;
-use crate::proxy::forward::{MAX_STORED_BODY_BYTES, storable, to_stored};
-use crate::types::StoredResponse;
+use crate::response::{MAX_STORED_BODY_BYTES, storable, to_stored};
+use idem_engine::types::StoredResponse;
 
 /// The most bytes read and discarded past the body limit before a 413.
 pub(super) const DRAIN_MAX_BYTES: u64 = 8 * 1024 * 1024;

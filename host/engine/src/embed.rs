@@ -8,8 +8,8 @@
 //! [`add_to_linker`] once:
 //!
 //! ```
-//! use idem::embed::{self, IdemCtx};
-//! use idem::MemoryStore;
+//! use idem_engine::embed::{self, IdemCtx};
+//! use idem_engine::MemoryStore;
 //! use wasmtime::component::{Component, Linker};
 //!
 //! struct MyState {
@@ -21,7 +21,7 @@
 //! let engine = wasmtime::Engine::default();
 //! let mut linker = Linker::<MyState>::new(&engine);
 //! embed::add_to_linker(&mut linker, |state| &mut state.idem)?;
-//! let component = Component::new(&engine, idem::engine::DEFAULT_GUEST)?;
+//! let component = Component::new(&engine, idem_engine::engine::DEFAULT_GUEST)?;
 //! let pre = linker.instantiate_pre(&component)?;
 //! let ctx = IdemCtx::builder().storage(MemoryStore::new()).build()?;
 //! let mut store = wasmtime::Store::new(&engine, MyState { idem: ctx });
@@ -99,6 +99,12 @@ impl IdemCtxBuilder {
     /// The storage backend. Required.
     pub fn storage<S: Storage>(mut self, storage: S) -> Self {
         self.storage = Some(Arc::new(storage));
+        self
+    }
+
+    /// The storage backend, already shared.
+    pub(crate) fn storage_arc(mut self, storage: Arc<dyn Storage>) -> Self {
+        self.storage = Some(storage);
         self
     }
 

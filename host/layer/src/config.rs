@@ -12,10 +12,10 @@ use http::{HeaderName, Method};
 use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
-use crate::api::{
+use idem_engine::api::{
     DEFAULT_MAX_BODY_BYTES, ExpiredLease, FailureMode, InProgressMode, KeyFormat, Policy, WaitSpec,
 };
-use crate::bounds::GuestBounds;
+use idem_engine::bounds::GuestBounds;
 
 /// The biz type of requests that match no route.
 pub const DEFAULT_BIZ_TYPE: &str = "http";
@@ -238,7 +238,7 @@ impl PolicyConfig {
     }
 
     /// Range checks the proxy needs before the engine sees the policy; the
-    /// engine's own rules are checked by [`super::Proxy::new`].
+    /// engine's own rules are checked by `Proxy::new` of `idem serve`.
     fn check(&self, at: &str) -> Result<(), ConfigError> {
         for (name, v) in [
             ("retention_ms", self.retention_ms),
@@ -396,18 +396,18 @@ pub struct ProxyConfig {
     /// result lookup does not count. A call past it fails (500) and its
     /// instance is discarded. `idem serve-component` gives each request to
     /// the component it serves the same budget. Default 1 000
-    /// ([`crate::engine::DEFAULT_GUEST_DEADLINE`]).
+    /// ([`idem_engine::engine::DEFAULT_GUEST_DEADLINE`]).
     pub guest_deadline_ms: u64,
     /// `guest_memory_bytes`: the most linear memory one instance of the
     /// engine component may use, in bytes, at least 4 MiB. A call that
     /// needs more fails (500) and its instance is discarded. `idem
     /// serve-component` caps each instance of the component it serves the
     /// same way, all its memories together. Default 268 435 456 (256 MiB,
-    /// [`crate::engine::DEFAULT_MEMORY_LIMIT`]).
+    /// [`idem_engine::engine::DEFAULT_MEMORY_LIMIT`]).
     pub guest_memory_bytes: u64,
     /// `group_commit`: with a SQLite `--db`, batch the claims and
     /// completions of concurrent requests into one transaction, each
-    /// answered only after it commits ([`crate::SqliteOptions::group_commit`]).
+    /// answered only after it commits ((`SqliteOptions::group_commit` of `idem-sqlite`)).
     /// Default false. Ignored for PostgreSQL.
     pub group_commit: bool,
     /// `[defaults]`: the policy of every route and of unmatched requests.
@@ -428,9 +428,11 @@ impl Default for ProxyConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
             body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
-            guest_deadline_ms: u64::try_from(crate::engine::DEFAULT_GUEST_DEADLINE.as_millis())
-                .unwrap_or(u64::MAX),
-            guest_memory_bytes: crate::engine::DEFAULT_MEMORY_LIMIT as u64,
+            guest_deadline_ms: u64::try_from(
+                idem_engine::engine::DEFAULT_GUEST_DEADLINE.as_millis(),
+            )
+            .unwrap_or(u64::MAX),
+            guest_memory_bytes: idem_engine::engine::DEFAULT_MEMORY_LIMIT as u64,
             group_commit: false,
             defaults: PolicyConfig::default(),
             routes: Vec::new(),

@@ -17,7 +17,7 @@ use crate::bindings::{self, Conv, wit_engine};
 use crate::bounds::{Flavor, Guard, GuestBounds, Stopped};
 use crate::clock::Clock;
 use crate::embed::{self, IdemCtx, IdemCtxBuilder};
-use crate::store::{SqliteStore, Storage, StoreError};
+use crate::store::{Storage, StoreError};
 use crate::types::{Failure, RecordKey, Success};
 
 pub use crate::bounds::{DEFAULT_GUEST_DEADLINE, DEFAULT_MEMORY_LIMIT, EPOCH_TICK, PERF_MAP_VAR};
@@ -69,9 +69,11 @@ pub enum Error {
     /// The component could not be loaded or does not fit idem's world.
     #[error("cannot load the engine component: {0}")]
     Load(String),
-    /// `run_in_transaction` needs the engine to be built on a SQLite store.
-    #[error("the engine's storage is not SQLite; business transactions need SqliteStore")]
-    NotSqlite,
+    /// A call that needs a particular storage backend (such as a business
+    /// transaction, which needs the backend's own database) was made on an
+    /// engine built on another; the value names the backend it needs.
+    #[error("the engine's storage is not {0}, which this call needs")]
+    WrongStorage(&'static str),
 }
 
 impl From<wit_engine::EngineError> for Error {
@@ -109,7 +111,7 @@ where
 }
 
 /// The lookup used when none is registered: it cannot tell, so it says so.
-pub(crate) struct NoLookup;
+pub struct NoLookup;
 
 impl ResultLookup for NoLookup {
     fn blocks_on_io(&self) -> bool {
@@ -180,7 +182,8 @@ struct Shared {
     loaded: Loaded,
     /// The imports every instance's store starts with.
     ctx: IdemCtx,
-    sqlite: Option<SqliteStore>,
+    /// The storage as given to the builder, for [`Engine::storage`].
+    storage: Option<Arc<dyn Any + Send + Sync>>,
     bounds: GuestBounds,
     /// Idle instances, reused across calls; an instance that trapped is
     /// never put back.
@@ -190,7 +193,7 @@ struct Shared {
 /// Builds an [`Engine`].
 pub struct EngineBuilder {
     ctx: IdemCtxBuilder,
-    sqlite: Option<SqliteStore>,
+    storage: Option<Arc<dyn Any + Send + Sync>>,
     guest: Option<Vec<u8>>,
     memory_limit: usize,
     guest_deadline: Duration,
@@ -225,10 +228,9 @@ impl EngineBuilder {
 
     /// The storage backend. Required.
     pub fn storage<S: Storage>(mut self, storage: S) -> Self {
-        self.sqlite = (&storage as &dyn Any)
-            .downcast_ref::<SqliteStore>()
-            .cloned();
-        self.ctx = self.ctx.storage(storage);
+        let storage = Arc::new(storage);
+        self.storage = Some(storage.clone());
+        self.ctx = self.ctx.storage_arc(storage);
         self
     }
 
@@ -277,7 +279,7 @@ impl EngineBuilder {
         Ok(Engine {
             shared: Arc::new(Shared {
                 loaded,
-                sqlite: self.sqlite,
+                storage: self.storage,
                 ctx,
                 bounds: GuestBounds {
                     deadline: self.guest_deadline,
@@ -355,7 +357,7 @@ impl Engine {
     pub fn builder() -> EngineBuilder {
         EngineBuilder {
             ctx: IdemCtx::builder(),
-            sqlite: None,
+            storage: None,
             guest: None,
             memory_limit: DEFAULT_MEMORY_LIMIT,
             guest_deadline: DEFAULT_GUEST_DEADLINE,
@@ -550,24 +552,30 @@ impl Engine {
         })
     }
 
-    /// Like [`Engine::run`], for business data in the engine's own SQLite
-    /// database: the action's writes and the transition to succeeded commit
-    /// in one transaction, so "business written, status not updated" cannot
-    /// happen. If ownership was lost meanwhile, the action's writes are
-    /// rolled back. A failed action's writes are rolled back too, and the
-    /// failure is stored as its disposition says.
-    pub fn run_in_transaction(
+    /// Like [`Engine::run`], for business data in the storage backend's
+    /// own database: `open` starts a business transaction there, `action`
+    /// writes through it, and the transition to succeeded is written
+    /// through it too, so the business writes and the status commit
+    /// together and "business written, status not updated" cannot happen.
+    /// If ownership was lost meanwhile, the action's writes are rolled
+    /// back. A failed action's writes are rolled back too, and the failure
+    /// is stored as its disposition says.
+    ///
+    /// Backends offer this with their own connection type: the SQLite
+    /// backend's `run_in_transaction` is this call with its
+    /// `SqliteTransaction`.
+    pub fn run_with_transaction<T: Transaction>(
         &self,
         request: &BeginRequest,
-        action: impl FnOnce(&Ticket, &rusqlite::Connection) -> ActionResult,
+        open: impl FnOnce() -> Result<T, StoreError>,
+        action: impl FnOnce(&Ticket, &T) -> Result<ActionResult, StoreError>,
     ) -> Result<RunOutcome, Error> {
-        let sqlite = self.shared.sqlite.as_ref().ok_or(Error::NotSqlite)?;
         let ticket = match self.begin(request)? {
             Decision::Execute(ticket) => ticket,
             other => return Ok(RunOutcome::NotExecuted(other)),
         };
-        let tx = Arc::new(sqlite.begin_transaction()?);
-        let result = tx.with_connection(|conn| action(&ticket, conn))?;
+        let tx = Arc::new(open()?);
+        let result = action(&ticket, &tx)?;
         let completion = match &result {
             ActionResult::Succeeded(success) => {
                 let storage: Arc<dyn Storage> = tx.clone();
@@ -603,4 +611,28 @@ impl Engine {
             Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
         })
     }
+
+    /// The storage backend this engine was built on, if it is an `S`: how
+    /// a backend crate reaches its own store behind an engine (for its
+    /// business transactions). `None` for another backend, and for an
+    /// engine built on an [`IdemCtx`] whose storage is not known.
+    pub fn storage<S: Storage>(&self) -> Option<&S> {
+        self.shared.storage.as_deref()?.downcast_ref::<S>()
+    }
+}
+
+/// A business transaction in a storage backend's own database, for
+/// [`Engine::run_with_transaction`]: as a [`Storage`] it reads and writes
+/// records inside the transaction, so they commit or roll back with the
+/// business writes made through the same transaction.
+pub trait Transaction: Storage {
+    /// Commits every write made through the transaction, together.
+    fn commit(self) -> Result<(), StoreError>
+    where
+        Self: Sized;
+
+    /// Undoes every write made through the transaction.
+    fn rollback(self) -> Result<(), StoreError>
+    where
+        Self: Sized;
 }

@@ -8,7 +8,7 @@ use crate::store::StoreError;
 use crate::types;
 
 wasmtime::component::bindgen!({
-    path: "../wit",
+    path: "../../wit",
     world: "idem",
 });
 

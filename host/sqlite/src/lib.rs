@@ -9,7 +9,10 @@
 //! wrapped in `BEGIN IMMEDIATE … COMMIT` where it reads and then writes;
 //! [`SqliteTransaction`] runs the same function inside a transaction that the
 //! caller controls, so that a business write and the record's transition
-//! commit together.
+//! commit together: [`RunInTransaction::run_in_transaction`] on an
+//! [`Engine`] built on a [`SqliteStore`].
+
+#![warn(missing_docs)]
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -20,10 +23,12 @@ use std::time::{Duration, Instant};
 use rusqlite::types::FromSql;
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, ToSql, TransactionBehavior};
 
-use super::columns::{self, parse_status, saturate, to_json, to_u32, to_u64};
-use super::{Storage, StoreError};
-use crate::types::{
+use idem_engine::store::sql::{self as columns, parse_status, saturate, to_json, to_u32, to_u64};
+use idem_engine::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
+};
+use idem_engine::{
+    ActionResult, BeginRequest, Engine, Error, RunOutcome, Storage, StoreError, Ticket, Transaction,
 };
 
 /// The schema, one entry per version. Entry `i` moves the database from
@@ -118,13 +123,13 @@ const SQL_SWAP: &str = "UPDATE idempotency_record SET
         expires_at = ?13, result_ref = ?14, response = ?15, failure = ?16
     WHERE scope_key = ?1 AND biz_type = ?2 AND idem_key = ?3 AND revision = ?17 AND id = ?18";
 
-pub(super) const SQL_DELETE_EXPIRED: &str = "DELETE FROM idempotency_record WHERE id IN (
+pub(crate) const SQL_DELETE_EXPIRED: &str = "DELETE FROM idempotency_record WHERE id IN (
         SELECT id FROM idempotency_record
         WHERE status IN ('succeeded', 'failed', 'released') AND expires_at <= ?1
         ORDER BY expires_at, id
         LIMIT ?2)";
 
-pub(super) const SQL_LIST_STALE: &str = concat!(
+pub(crate) const SQL_LIST_STALE: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM idempotency_record
@@ -678,6 +683,54 @@ impl Drop for SqliteTransaction {
     }
 }
 
+impl Transaction for SqliteTransaction {
+    fn commit(self) -> Result<(), StoreError> {
+        SqliteTransaction::commit(self)
+    }
+
+    fn rollback(self) -> Result<(), StoreError> {
+        SqliteTransaction::rollback(self)
+    }
+}
+
+/// Business transactions on an [`Engine`] built on a [`SqliteStore`], for
+/// business data in the engine's own database.
+pub trait RunInTransaction {
+    /// Like [`Engine::run`], with the action's writes and the transition to
+    /// succeeded in one SQLite transaction
+    /// ([`Engine::run_with_transaction`]): "business written, status not
+    /// updated" cannot happen. If ownership was lost meanwhile, the
+    /// action's writes are rolled back. A failed action's writes are rolled
+    /// back too, and the failure is stored as its disposition says.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongStorage`] when the engine's storage is not a
+    /// [`SqliteStore`]; otherwise as [`Engine::run`].
+    fn run_in_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &Connection) -> ActionResult,
+    ) -> Result<RunOutcome, Error>;
+}
+
+impl RunInTransaction for Engine {
+    fn run_in_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &Connection) -> ActionResult,
+    ) -> Result<RunOutcome, Error> {
+        let store = self
+            .storage::<SqliteStore>()
+            .ok_or(Error::WrongStorage("a SqliteStore"))?;
+        self.run_with_transaction(
+            request,
+            || store.begin_transaction(),
+            |ticket, tx| tx.with_connection(|conn| action(ticket, conn)),
+        )
+    }
+}
+
 impl Storage for SqliteTransaction {
     fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
         self.run(|conn| insert_if_absent(conn, candidate))
@@ -1215,3 +1268,6 @@ fn run_group(store: &SqliteStore, writes: &[GroupWrite]) -> Vec<Result<GroupDone
             .collect(),
     }
 }
+
+#[cfg(test)]
+mod tests;

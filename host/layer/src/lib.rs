@@ -3,7 +3,7 @@
 //!
 //! It wraps any `tower::Service<http::Request<Body>>`: an axum router in
 //! the same process, or a client that forwards to an upstream (which is
-//! what `idem serve` is: this layer over [`crate::proxy::forward::Upstream`]).
+//! what `idem serve` is: this layer over its upstream client).
 //! Both get the same rules, the same configuration ([`ProxyConfig`]: routes,
 //! biz types, policies), the same problems and the same [`Metrics`].
 //!
@@ -27,13 +27,11 @@
 //!
 //! ```no_run
 //! use axum::{Router, routing::post};
-//! use idem::layer::IdempotencyLayer;
-//! use idem::proxy::ProxyConfig;
-//! use idem::{Engine, SqliteStore};
+//! use idem_layer::{IdempotencyLayer, ProxyConfig};
+//! use idem_engine::{Engine, MemoryStore};
 //!
-//! # async fn run() -> anyhow::Result<()> {
-//! let store = SqliteStore::open("idem.db", Default::default())?;
-//! let engine = Engine::builder().storage(store).build()?;
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let engine = Engine::builder().storage(MemoryStore::new()).build()?;
 //! let app = Router::new()
 //!     .route("/orders", post(|| async { (http::StatusCode::CREATED, "order 1") }))
 //!     .layer(IdempotencyLayer::new(engine, ProxyConfig::default())?);
@@ -42,11 +40,19 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod body;
+pub mod config;
 mod detach;
-pub(crate) mod error;
+mod error;
 mod future;
+pub mod key;
 mod keyed;
+pub mod metrics;
+pub mod problem;
+pub mod response;
+pub mod rules;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -58,12 +64,16 @@ use tokio_util::task::TaskTracker;
 use tower::{Layer, Service};
 
 pub use body::BufferedResponse;
-pub use error::InnerFailure;
+pub use config::{ConfigError, ProxyConfig};
+pub use error::{InnerFailure, error_chain};
 pub use future::ResponseFuture;
+pub use metrics::Metrics;
+pub use problem::{Problem, ProblemType};
+pub use response::UpstreamError;
 
-use crate::api::{ExpiredLease, Ticket};
-use crate::engine::{Engine, Error};
-use crate::proxy::{ConfigError, Metrics, ProxyConfig, RouteTable};
+use crate::config::RouteTable;
+use idem_engine::api::{ExpiredLease, Ticket};
+use idem_engine::engine::{Engine, Error};
 
 /// A boxed error, as tower services return them.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -1,4 +1,4 @@
-//! The response future of [`super::Idempotency`].
+//! The response future of [`crate::Idempotency`].
 
 use std::convert::Infallible;
 use std::fmt;
@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use http::Response;
 
-/// The future of an [`super::Idempotency`] call: the answer to the request
+/// The future of an [`crate::Idempotency`] call: the answer to the request
 /// (never an error).
 pub struct ResponseFuture {
     inner: Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>,

@@ -10,7 +10,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, header};
 
 pub use idem_http::{KeyHeaderError, ScopeError};
 
-use super::config::AnonymousMode;
+use crate::config::AnonymousMode;
 
 /// The `Idempotency-Key` header name.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(idem_http::IDEMPOTENCY_KEY);

@@ -18,17 +18,18 @@ use tracing::Instrument;
 use super::body::{BufferedResponse, DRAIN_MAX_BYTES, drain, truncate};
 use super::detach::{Detach, Panicked};
 use super::{BoxError, Claim, InnerFailure, Shared};
-use crate::api::{
+use crate::config::is_safe_method;
+use crate::config::{KeyRequirement, Route, ServerErrors};
+use crate::key::{IDEMPOTENCY_KEY, ScopeError, derive_scope, parse_idempotency_key};
+use crate::problem::Problem;
+use crate::response::classify_status;
+use crate::response::{disposition, from_stored};
+use crate::rules::{body_kind, engine_error_problem, http_decision};
+use idem_engine::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, InProgressMode, Policy, Ticket,
 };
-use crate::engine::{Engine, Error};
-use crate::proxy::config::is_safe_method;
-use crate::proxy::forward::{disposition, from_stored};
-use crate::proxy::{
-    IDEMPOTENCY_KEY, KeyRequirement, Problem, Route, ScopeError, ServerErrors, body_kind,
-    classify_status, derive_scope, engine_error_problem, http_decision, parse_idempotency_key,
-};
-use crate::types::{Failure, RecordKey, StoredResponse, Success};
+use idem_engine::engine::{Engine, Error};
+use idem_engine::types::{Failure, RecordKey, StoredResponse, Success};
 
 /// The longest failure message stored with a key.
 const MAX_FAILURE_MESSAGE_BYTES: usize = 4096;

@@ -2,23 +2,19 @@
 //!
 //! [`Storage`] is the narrow contract every backend implements; the engine
 //! component makes every decision on top of it. One conformance suite runs
-//! against every backend through the real component.
+//! against every backend (the `testing` module, behind the feature of
+//! that name). Durable backends live in
+//! crates of their own (`idem-sqlite`, `idem-postgres`).
 
-mod columns;
 pub mod memory;
-#[cfg(feature = "postgres")]
-pub mod postgres;
-pub mod sqlite;
+pub mod sql;
 
 use crate::types::{InsertOutcome, RecordKey, StoredRecord, SwapOutcome, Timestamp};
 
 #[cfg(test)]
 mod tests;
 
-#[cfg(feature = "postgres")]
-pub use self::postgres::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
 pub use memory::{FaultKind, MemoryStore, Op};
-pub use sqlite::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous};
 
 /// Why a storage operation failed. Mirrors `store-error` in `wit/store.wit`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -96,5 +92,25 @@ pub trait Storage: Send + Sync + 'static {
     /// The default is `true`, which is always safe.
     fn blocks_on_io(&self) -> bool {
         true
+    }
+}
+
+/// A store that can be shared behind an `Arc`: any [`Storage`], or an
+/// `Arc<dyn Storage>` already shared (`idem serve`'s proxy shares its store
+/// with its health check).
+pub trait SharedStorage {
+    /// The store behind an `Arc`.
+    fn into_shared(self) -> std::sync::Arc<dyn Storage>;
+}
+
+impl<S: Storage> SharedStorage for S {
+    fn into_shared(self) -> std::sync::Arc<dyn Storage> {
+        std::sync::Arc::new(self)
+    }
+}
+
+impl SharedStorage for std::sync::Arc<dyn Storage> {
+    fn into_shared(self) -> std::sync::Arc<dyn Storage> {
+        self
     }
 }
