@@ -13,6 +13,8 @@ fn main() {
         "tests/guests/misbehaving/Cargo.toml",
         "guest/src",
         "guest/Cargo.toml",
+        "guest/middleware/src",
+        "guest/middleware/Cargo.toml",
         "guest/http/src",
         "guest/http/Cargo.toml",
     ];

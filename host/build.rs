@@ -1,5 +1,5 @@
-//! With the `middleware` feature, builds the guest crate's `middleware`
-//! world into a WebAssembly component and puts it in
+//! With the `middleware` feature, builds the middleware guest crate
+//! (`guest/middleware`, the `middleware` world) into a WebAssembly component and puts it in
 //! `OUT_DIR/idem_middleware.wasm`, where `middleware.rs` embeds it. The
 //! engine component is `idem-engine`'s (host/engine/build.rs); both builds
 //! share one guest target directory.
@@ -16,8 +16,10 @@ fn main() {
     let root = manifest_dir
         .parent()
         .expect("the host crate sits in the workspace");
-    // The guest and the HTTP rules it compiles in (`guest/http`).
+    // The middleware, the engine it builds on and the HTTP rules.
     let watch = [
+        "guest/middleware/src",
+        "guest/middleware/Cargo.toml",
         "guest/src",
         "guest/Cargo.toml",
         "guest/http/src",
@@ -25,9 +27,9 @@ fn main() {
     ];
     idem_build::build_component(
         root,
-        "idem-guest",
-        "idem_guest",
-        &["middleware"],
+        "idem-middleware-guest",
+        "idem_middleware_guest",
+        &[],
         "idem_middleware",
         &watch,
     );

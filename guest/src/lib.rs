@@ -9,10 +9,9 @@
 //! [`machine::Env`] trait; [`component`] is the thin layer that binds it to
 //! the component's imports and exports.
 //!
-//! With the `middleware` feature the crate builds the `middleware` world
-//! instead: the same engine, plus a `wasi:http` handler ([`middleware`])
-//! that wraps another handler with idempotency, on the HTTP rules of the
-//! `idem-http` crate that `idem serve` and the tower layer use too.
+//! The middleware component (`guest/middleware`, the `middleware` world)
+//! builds on this crate: it runs the same state machine through the same
+//! [`component::Imports`], and its bindings use this crate's types.
 #![cfg_attr(target_arch = "wasm32", no_std)]
 #![warn(missing_docs)]
 
@@ -29,10 +28,7 @@ pub mod validate;
 pub mod props;
 
 pub mod component;
-#[cfg(feature = "middleware")]
-pub mod middleware;
 
-#[cfg(not(feature = "middleware"))]
 pub mod bindings {
     //! Types and functions generated from `wit/` by wit-bindgen.
     #![allow(missing_docs)]
@@ -42,22 +38,6 @@ pub mod bindings {
         generate_all,
         pub_export_macro: true,
         additional_derives: [PartialEq, Eq],
-    });
-}
-
-#[cfg(feature = "middleware")]
-pub mod bindings {
-    //! Types and functions generated from `wit/` by wit-bindgen, for the
-    //! `middleware` world: the `idem` world plus `wasi:http`.
-    #![allow(missing_docs)]
-    wit_bindgen::generate!({
-        path: "../wit",
-        world: "middleware",
-        generate_all,
-        pub_export_macro: true,
-        additional_derives: [PartialEq, Eq],
-        // Holds a resource, which has no equality.
-        additional_derives_ignore: ["stream-error"],
     });
 }
 

@@ -16,7 +16,7 @@
 //!   the host's `clock.pause`, then answer like [`COUNT`].
 //!
 //! With the `middleware` feature it builds the `middleware` world instead:
-//! the real middleware (`idem_guest::middleware::wrap`) around the imported
+//! the real middleware (`idem_middleware_guest::wrap`) around the imported
 //! handler, except that a request whose route has the biz type [`LOOP`] or
 //! [`ALLOCATE`] (set by the host's configuration) runs, in place of the
 //! handler, code that computes forever or allocates without end: after the
@@ -34,12 +34,21 @@ use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering};
 
 use idem_guest::bindings::exports::idem::engine::engine::{
-    BeginRequest, Busy, Completion, Decision, Disposition, EngineError, Extension, Guest,
-    KeyStatus, Policy, ReconcileReport, Ticket,
+    BeginRequest, Busy, Completion, Decision, Disposition, EngineError, Extension, KeyStatus,
+    Policy, ReconcileReport, Ticket,
 };
+// The engine interface this component exports: the engine world's, or the
+// middleware world's (the same types, through the middleware crate's
+// bindings).
+#[cfg(not(feature = "middleware"))]
+use idem_guest::bindings::exports::idem::engine::engine::Guest;
+#[cfg(feature = "middleware")]
+use idem_guest::bindings::exports::idem::engine::engine::Guest as _;
 use idem_guest::bindings::idem::engine::types::{Failure, RecordKey, Success};
 use idem_guest::component::{Component as Engine, Imports};
 use idem_guest::machine::{self, Env};
+#[cfg(feature = "middleware")]
+use idem_middleware_guest::bindings::exports::idem::engine::engine::Guest;
 
 /// Biz type: compute forever.
 pub const LOOP: &str = "misbehave-loop";
@@ -92,15 +101,15 @@ struct Misbehaving;
 mod middleware {
     //! The exported `incoming-handler` of the `middleware` world.
 
-    use idem_guest::bindings::exports::wasi::http::incoming_handler::Guest as HandlerGuest;
-    use idem_guest::bindings::wasi::http::incoming_handler as inner;
-    use idem_guest::bindings::wasi::http::types::{IncomingRequest, ResponseOutparam};
+    use idem_middleware_guest::bindings::exports::wasi::http::incoming_handler::Guest as HandlerGuest;
+    use idem_middleware_guest::bindings::wasi::http::incoming_handler as inner;
+    use idem_middleware_guest::bindings::wasi::http::types::{IncomingRequest, ResponseOutparam};
 
     use super::{ALLOCATE, LOOP, Misbehaving, hoard, spin};
 
     impl HandlerGuest for Misbehaving {
         fn handle(request: IncomingRequest, out: ResponseOutparam) {
-            idem_guest::middleware::wrap(request, out, |ticket, request, out| {
+            idem_middleware_guest::wrap(request, out, |ticket, request, out| {
                 match ticket.key.biz_type.as_str() {
                     LOOP => spin(),
                     ALLOCATE => hoard(),
@@ -155,5 +164,7 @@ impl Guest for Misbehaving {
     }
 }
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", not(feature = "middleware")))]
 idem_guest::bindings::export!(Misbehaving with_types_in idem_guest::bindings);
+#[cfg(all(target_arch = "wasm32", feature = "middleware"))]
+idem_middleware_guest::bindings::export!(Misbehaving with_types_in idem_middleware_guest::bindings);

@@ -1,4 +1,4 @@
-//! The `middleware` world: the exported `wasi:http/incoming-handler` wraps
+//! The exported `wasi:http/incoming-handler` wraps
 //! the imported one so that a request with an `Idempotency-Key` runs the
 //! wrapped handler at most once.
 //!
@@ -26,21 +26,23 @@ use alloc::vec::Vec;
 
 use idem_http::{Answer, Problem};
 
-use crate::bindings::exports::idem::engine::engine::{
+use idem_guest::bindings::exports::idem::engine::engine::{
     BeginRequest, BodyKind, Completion, Decision, Disposition, EngineError, InputField, InputRule,
     Policy, Ticket,
 };
+use idem_guest::bindings::idem::engine::types::{Failure, RecordKey, StoredResponse, Success};
+use idem_guest::component::Imports;
+use idem_guest::machine;
+
+use crate::Middleware;
 use crate::bindings::exports::wasi::http::incoming_handler::Guest as HandlerGuest;
 use crate::bindings::idem::engine::http_bridge::{
     self, AnonymousMode, BodyError, KeyRequirement, ResponseCapture, Route, ServerErrors,
 };
-use crate::bindings::idem::engine::types::{Failure, RecordKey, StoredResponse, Success};
 use crate::bindings::wasi::http::incoming_handler as inner;
 use crate::bindings::wasi::http::types::{
     Fields, IncomingRequest, Method, OutgoingBody, OutgoingResponse, ResponseOutparam,
 };
-use crate::component::{Component, Imports};
-use crate::machine;
 
 /// The most bytes written to an output stream in one
 /// `blocking-write-and-flush`, the limit `wasi:io` sets for that call.
@@ -424,7 +426,7 @@ pub fn wrap(
     }
 }
 
-impl HandlerGuest for Component {
+impl HandlerGuest for Middleware {
     fn handle(request: IncomingRequest, out: ResponseOutparam) {
         wrap(request, out, |_, request, out| inner::handle(request, out));
     }
