@@ -1,10 +1,8 @@
 //! idem: an idempotency engine for APIs and message consumers.
 //!
 //! This crate is the one dependency most Rust services need: it gathers
-//! idem's crates behind one name, and holds `idem serve` (the proxy,
-//! [`proxy`]), `idem serve-component` ([`middleware`]) and the `idem` CLI.
-//! Each part is a crate of its own, so a service that wants less can depend
-//! on less:
+//! idem's crates behind one name, and holds the `idem` CLI. Each part is a
+//! crate of its own, so a service that wants less can depend on less:
 //!
 //! | crate | what it is | here as |
 //! |---|---|---|
@@ -12,6 +10,7 @@
 //! | `idem-sqlite` | the SQLite backend and business transactions ([`RunInTransaction`]) | [`SqliteStore`] |
 //! | `idem-postgres` | the PostgreSQL backend | [`PostgresStore`] (feature `postgres`) |
 //! | `idem-layer` | the tower layer: HTTP rules, routes, problems, metrics | [`layer`] |
+//! | `idem-server` | `idem serve` (the layer over a forwarding client) and `idem serve-component` | [`proxy`], [`middleware`] |
 //!
 //! The decisions are made by a WebAssembly component (the guest, built from
 //! `guest/`), which `idem-engine` embeds and runs.
@@ -38,8 +37,8 @@
 #![warn(missing_docs)]
 
 #[cfg(feature = "middleware")]
-pub mod middleware;
-pub mod proxy;
+pub use idem_server::middleware;
+pub use idem_server::proxy;
 
 pub use idem_engine::{
     ActionResult, BeginRequest, BodyKind, Busy, Clock, Completion, Decision, Disposition, Engine,

@@ -15,7 +15,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use super::{Proxy, ProxyConfig};
-use crate::{Engine, FaultKind, MemoryStore};
+use idem_engine::{Engine, FaultKind, MemoryStore};
 
 /// An upstream that counts its executions; `/slow` takes a second.
 async fn upstream() -> (String, Arc<AtomicUsize>) {
@@ -177,7 +177,7 @@ async fn a_failed_complete_still_answers_the_caller() {
     let base = spawn(proxy(store.clone(), ProxyConfig::default(), &up).router()).await;
     // begin reads and inserts; the compare-and-swap of complete fails.
     store.fail_next(
-        Some(crate::store::Op::CompareAndSwap),
+        Some(idem_engine::store::Op::CompareAndSwap),
         1,
         FaultKind::Unavailable,
     );

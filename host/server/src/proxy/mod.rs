@@ -7,12 +7,12 @@
 //! `complete` or `fail` and replayed to duplicates.
 //!
 //! ```no_run
-//! use idem::proxy::{Proxy, ProxyConfig, serve};
-//! use idem::{Engine, SqliteStore, Storage};
+//! use idem_engine::{Engine, MemoryStore, Storage};
+//! use idem_server::proxy::{Proxy, ProxyConfig, serve};
 //! use std::sync::Arc;
 //!
-//! # async fn run() -> anyhow::Result<()> {
-//! let store = SqliteStore::open("idem.db", Default::default())?;
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = MemoryStore::new();
 //! let engine = Engine::builder().storage(store.clone()).build()?;
 //! let store: Arc<dyn Storage> = Arc::new(store);
 //! let proxy = Proxy::new(engine, store, ProxyConfig::default(), "http://127.0.0.1:9000".parse()?)?;

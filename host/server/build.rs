@@ -14,8 +14,9 @@ fn main() {
     let manifest_dir =
         PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let root = manifest_dir
-        .parent()
-        .expect("the host crate sits in the workspace");
+        .ancestors()
+        .nth(2)
+        .expect("the server crate sits in host/ of the workspace");
     // The middleware, the engine it builds on and the HTTP rules.
     let watch = [
         "guest/middleware/src",

@@ -60,8 +60,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// The upstream server and the client that reaches it; cheap to clone.
 ///
 /// As a [`tower::Service`] it is the inner service of `idem serve`'s
-/// [`crate::layer::IdempotencyLayer`]: a request without a
-/// [`crate::layer::Claim`] is forwarded and its answer streamed back, its
+/// [`idem_layer::IdempotencyLayer`]: a request without a
+/// [`idem_layer::Claim`] is forwarded and its answer streamed back, its
 /// head within the timeout; a claimed request's whole answer, body
 /// included, must arrive within the timeout, because it is stored.
 #[derive(Clone, Debug)]

@@ -11,7 +11,7 @@
 //!
 //! It is configured as `idem serve` is, from the same [`ProxyConfig`]:
 //!
-//! - the guest is bounded as the engine is ([`crate::bounds`]): the same
+//! - the guest is bounded as the engine is ([`idem_engine::bounds`]): the same
 //!   Wasmtime configuration (epoch interruption and its ticker), the same
 //!   deadline (`guest_deadline_ms`, per request, time in host calls not
 //!   counted) and the same memory cap (`guest_memory_bytes`, all the
@@ -46,7 +46,7 @@
 //! would take a worker out of the runtime on every store call, and panic
 //! on a current-thread runtime. Between two host calls the guest computes
 //! on a worker, as every `wasi:http` host runs it, but it yields to the
-//! runtime at every epoch tick ([`crate::bounds::Flavor::Async`]), so a
+//! runtime at every epoch tick (`idem_engine::bounds::Flavor::Async`), so a
 //! guest that loops holds no worker for its whole deadline.
 
 use std::net::SocketAddr;
@@ -107,7 +107,7 @@ mod bridge {
     //! are the engine bindings' own, so the engine's conversions apply.
     #![allow(missing_docs)]
     wasmtime::component::bindgen!({
-        path: "../wit",
+        path: "../../wit",
         world: "middleware",
         imports: { default: async | trappable },
         with: {
