@@ -765,12 +765,53 @@ fn fifty_concurrent_duplicates_execute_once() -> Result<()> {
     let w = World::start(None)?;
     let answers = fifty_at_once(&w)?;
     expect_total(&w.up, 1)?;
+    expect_one_execution(&answers)
+}
+
+/// `--workers 4`: four threads accept on one port, so the fifty
+/// connections land on different workers; the store still lets one of
+/// them execute, and fifty distinct keys run once each.
+#[test]
+fn workers_sharing_one_port_execute_each_key_once() -> Result<()> {
+    let mut w = World::start(None)?;
+    w.proxy.kill()?;
+    w.proxy = Serve::new(&w.up.url(), &w.db).workers(4).start()?;
+    let answers = fifty_at_once(&w)?;
+    expect_total(&w.up, 1)?;
+    expect_one_execution(&answers)?;
+    fifty_keys_run_once(&w, "w", 1)
+}
+
+/// Fifty distinct keys (`PREFIX-0` to `PREFIX-49`) sent at once, after
+/// `before` executions: each executes once, and each replays its answer.
+fn fifty_keys_run_once(w: &World, prefix: &str, before: usize) -> Result<()> {
+    const KEYS: usize = 50;
+    let post = |i: usize| {
+        w.proxy
+            .post("/orders")
+            .key(format!("{prefix}-{i}"))
+            .json(BODY)
+    };
+    let firsts = all_at_once((0..KEYS).map(&post).collect())?;
+    for first in &firsts {
+        expect_fresh(first, 201)?;
+    }
+    expect_total(&w.up, before + KEYS)?;
+    for (i, first) in firsts.iter().enumerate() {
+        expect_replay_of(&post(i).send()?, first)?;
+    }
+    expect_total(&w.up, before + KEYS)
+}
+
+/// Fifty answers to one key: one executed, every other the same body
+/// replayed or "in progress".
+fn expect_one_execution(answers: &[Resp]) -> Result<()> {
     let fresh: Vec<&Resp> = answers
         .iter()
         .filter(|r| r.status == 201 && !r.replayed())
         .collect();
     ensure!(fresh.len() == 1, "{} executed answers", fresh.len());
-    for r in &answers {
+    for r in answers {
         match r.status {
             201 => ensure!(r.body == fresh[0].body, "another body: {:?}", r.text()),
             409 => {
@@ -798,26 +839,7 @@ fn group_commit_keeps_one_execution_per_key() -> Result<()> {
             == 1,
         "one executed answer for the duplicated key"
     );
-    const KEYS: usize = 50;
-    let firsts = all_at_once(
-        (0..KEYS)
-            .map(|i| w.proxy.post("/orders").key(format!("gc-{i}")).json(BODY))
-            .collect(),
-    )?;
-    for first in &firsts {
-        expect_fresh(first, 201)?;
-    }
-    expect_total(&w.up, 1 + KEYS)?;
-    for (i, first) in firsts.iter().enumerate() {
-        let again = w
-            .proxy
-            .post("/orders")
-            .key(format!("gc-{i}"))
-            .json(BODY)
-            .send()?;
-        expect_replay_of(&again, first)?;
-    }
-    expect_total(&w.up, 1 + KEYS)
+    fifty_keys_run_once(&w, "gc", 1)
 }
 
 #[test]

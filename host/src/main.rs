@@ -52,6 +52,11 @@ enum Command {
         /// The address of the admin server (/healthz, /metrics); none by default.
         #[arg(long)]
         admin: Option<String>,
+        /// Threads that serve requests, each with its own listener on
+        /// --listen (SO_REUSEPORT) and its own event loop; one per CPU by
+        /// default.
+        #[arg(long)]
+        workers: Option<std::num::NonZeroUsize>,
     },
     /// Show the stored state of one key.
     Inspect {
@@ -138,7 +143,8 @@ fn main() -> Result<()> {
             listen,
             upstream,
             admin,
-        } => run_serve(&cli, config, listen, upstream, admin.as_deref()),
+            workers,
+        } => run_serve(&cli, config, listen, upstream, admin.as_deref(), *workers),
         Command::Inspect { scope, biz, key } => {
             let engine = open(&cli, &config)?.engine(&config)?;
             let status =
@@ -307,6 +313,7 @@ fn run_serve(
     listen: &str,
     upstream: &str,
     admin: Option<&str>,
+    workers: Option<std::num::NonZeroUsize>,
 ) -> Result<()> {
     let upstream: http::Uri = upstream
         .parse()
@@ -315,14 +322,162 @@ fn run_serve(
     let engine = db.engine(&config)?;
     let store = db.shared();
     let proxy = Proxy::new(engine, store, config, upstream)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    // Dropping the runtime waits for engine calls still running on blocking
-    // threads: each is finished, none is cut half-way.
-    runtime.block_on(serve_until_signal(proxy, listen, admin))
+    let workers = workers
+        .or_else(|| std::thread::available_parallelism().ok())
+        .map_or(1, std::num::NonZeroUsize::get);
+    serve_per_thread(proxy, listen, admin, workers)
 }
+
+/// Serves `proxy` on `workers` threads, each running a current-thread
+/// runtime that accepts on a listener of its own, all bound to `listen`
+/// with `SO_REUSEPORT` so the kernel spreads connections over them.
+///
+/// A connection is served start to end by the thread that accepted it, its
+/// engine calls included (inline for SQLite; on that runtime's blocking
+/// pool for PostgreSQL). With one runtime shared by every thread, each
+/// request woke a second worker to steal it and parked it again: most of a
+/// replay's CPU time went to those wake-ups, not to serving it.
+///
+/// The first worker runs on this thread and also carries the signal
+/// handler, the admin server and the sweeper. On SIGINT or SIGTERM every
+/// worker stops accepting, finishes its connections' requests, and then
+/// waits until the requests of every worker whose client hung up have
+/// stored their outcome, so that no runtime stops while one is running.
+fn serve_per_thread(proxy: Proxy, listen: &str, admin: Option<&str>, workers: usize) -> Result<()> {
+    let runtimes = (0..workers.max(1))
+        .map(|_| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("cannot start the async runtime")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (first, others) = runtimes.split_first().context("no runtime to serve on")?;
+    // Install the signal handlers before announcing the address: a signal
+    // sent as soon as the line is read must stop the server cleanly.
+    let signals = first.block_on(async { Signals::install() })?;
+    let admin_listener = match admin {
+        Some(addr) => Some(first.block_on(async {
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --admin {addr}"))
+        })?),
+        None => None,
+    };
+    let addr = first
+        .block_on(tokio::net::lookup_host(listen))
+        .with_context(|| format!("cannot resolve --listen {listen}"))?
+        .next()
+        .with_context(|| format!("--listen {listen} names no address"))?;
+    let listener = first
+        .block_on(async { bind_reuseport(addr) })
+        .with_context(|| format!("cannot listen on --listen {listen}"))?;
+    // Port 0 picked a port: the other workers listen on that one.
+    let addr = listener.local_addr()?;
+    let mut listeners = Vec::with_capacity(others.len());
+    for runtime in others {
+        listeners.push(
+            runtime
+                .block_on(async { bind_reuseport(addr) })
+                .with_context(|| format!("cannot listen on {addr} again for another worker"))?,
+        );
+    }
+    {
+        let mut out = std::io::stdout().lock();
+        if let Some(l) = &admin_listener {
+            writeln!(out, "idem admin on http://{}", l.local_addr()?)?;
+        }
+        writeln!(out, "idem listening on http://{addr}")?;
+        out.flush()?;
+    }
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut runtimes = runtimes.into_iter();
+    let first = runtimes.next().context("no runtime to serve on")?;
+    let threads = runtimes
+        .zip(listeners)
+        .enumerate()
+        .map(|(i, (runtime, listener))| {
+            let proxy = proxy.clone();
+            let stop = stop_rx.clone();
+            std::thread::Builder::new()
+                .name(format!("idem-worker-{}", i + 1))
+                .spawn(move || runtime.block_on(serve_worker(proxy, listener, stop)))
+                .context("cannot start a worker thread")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let result = first.block_on(async {
+        tokio::spawn(async move {
+            signals.recv().await;
+            tracing::info!("shutting down: finishing the requests in flight");
+            let _ = stop_tx.send(true);
+        });
+        let sweeper = proxy.spawn_sweeper();
+        let admin_task = admin_listener.map(|l| {
+            let router = proxy.admin_router();
+            tokio::spawn(serve(l, router, stopped(stop_rx.clone())))
+        });
+        let result = serve_worker(proxy.clone(), listener, stop_rx).await;
+        if let Some(s) = sweeper {
+            s.abort();
+        }
+        if let Some(task) = admin_task {
+            match task.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = %e, "the admin server failed"),
+                Err(e) => tracing::error!(error = %e, "the admin server stopped"),
+            }
+        }
+        result
+    });
+    for thread in threads {
+        match thread.join() {
+            Ok(r) => r?,
+            Err(_) => bail!("a worker thread panicked"),
+        }
+    }
+    // Dropping a runtime waits for engine calls still running on its
+    // blocking threads: each is finished, none is cut half-way.
+    result?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// One worker: serves its listener until `stop`, then waits for the
+/// requests whose client hung up, on every worker, to store their outcome.
+async fn serve_worker(
+    proxy: Proxy,
+    listener: TcpListener,
+    stop: watch::Receiver<bool>,
+) -> Result<()> {
+    let result = serve_with(
+        listener,
+        proxy.router(),
+        proxy.serve_options(),
+        stopped(stop),
+    )
+    .await;
+    proxy.finish().await;
+    Ok(result?)
+}
+
+/// A listener on `addr` that other sockets of this process may bind too
+/// (`SO_REUSEPORT`), with the backlog tokio's `TcpListener::bind` uses.
+fn bind_reuseport(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    #[cfg(unix)]
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// The listen backlog of each worker's socket: tokio's and std's default.
+const LISTEN_BACKLOG: u32 = 1024;
 
 #[cfg(feature = "middleware")]
 fn run_serve_component(
@@ -362,67 +517,6 @@ fn run_serve_component(
     })
 }
 
-async fn serve_until_signal(proxy: Proxy, listen: &str, admin: Option<&str>) -> Result<()> {
-    // Install the signal handlers before announcing the address: a signal
-    // sent as soon as the line is read must stop the server cleanly.
-    let signals = Signals::install()?;
-    let admin_listener = match admin {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on --admin {addr}"))?,
-        ),
-        None => None,
-    };
-    let listener = TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on --listen {listen}"))?;
-    {
-        let mut out = std::io::stdout().lock();
-        if let Some(l) = &admin_listener {
-            writeln!(out, "idem admin on http://{}", l.local_addr()?)?;
-        }
-        writeln!(out, "idem listening on http://{}", listener.local_addr()?)?;
-        out.flush()?;
-    }
-
-    let (stop_tx, stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        signals.recv().await;
-        tracing::info!("shutting down: finishing the requests in flight");
-        let _ = stop_tx.send(true);
-    });
-    let sweeper = proxy.spawn_sweeper();
-    let admin_task = admin_listener.map(|l| {
-        let router = proxy.admin_router();
-        tokio::spawn(serve(l, router, stopped(stop_rx.clone())))
-    });
-    let result = serve_with(
-        listener,
-        proxy.router(),
-        proxy.serve_options(),
-        stopped(stop_rx),
-    )
-    .await;
-    // Requests whose client hung up are still running: let them store
-    // their outcome before the process exits.
-    proxy.finish().await;
-    if let Some(s) = sweeper {
-        s.abort();
-    }
-    if let Some(task) = admin_task {
-        match task.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!(error = %e, "the admin server failed"),
-            Err(e) => tracing::error!(error = %e, "the admin server stopped"),
-        }
-    }
-    result?;
-    tracing::info!("stopped");
-    Ok(())
-}
-
-/// Completes when the stop flag is set (or its sender is gone).
 async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }

@@ -129,6 +129,13 @@ impl Serve {
         self
     }
 
+    /// Passes `--workers N`.
+    #[allow(dead_code)] // Not every suite picks its workers.
+    pub fn workers(mut self, n: usize) -> Self {
+        self.extra.extend(["--workers".to_string(), n.to_string()]);
+        self
+    }
+
     /// Passes `--admin 127.0.0.1:0`.
     pub fn admin(mut self) -> Self {
         self.admin = true;

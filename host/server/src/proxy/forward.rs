@@ -15,6 +15,7 @@ use http::{Method, Uri, Version, request};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use thread_local::ThreadLocal;
 
 use idem_layer::{BufferedResponse, Claim, error_chain};
 
@@ -77,7 +78,23 @@ struct Target {
     host: HeaderValue,
     base_path: String,
     timeout: Duration,
-    client: Client<HttpConnector, Body>,
+    /// One client per thread: a pooled connection's task runs on the
+    /// runtime that opened it, so a connection shared between `idem
+    /// serve`'s per-thread runtimes would wake another thread for every
+    /// request it carries.
+    clients: ThreadLocal<Client<HttpConnector, Body>>,
+}
+
+impl Target {
+    /// This thread's client.
+    fn client(&self) -> &Client<HttpConnector, Body> {
+        self.clients.get_or(|| {
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            connector.set_connect_timeout(Some(self.timeout.min(MAX_CONNECT_TIMEOUT)));
+            Client::builder(TokioExecutor::new()).build(connector)
+        })
+    }
 }
 
 impl Upstream {
@@ -106,10 +123,6 @@ impl Upstream {
             return Err(format!("the upstream URI '{uri}' must not have a query"));
         }
         let base_path = uri.path().trim_end_matches('/').to_owned();
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout.min(MAX_CONNECT_TIMEOUT)));
-        let client = Client::builder(TokioExecutor::new()).build(connector);
         Ok(Upstream {
             target: Arc::new(Target {
                 scheme,
@@ -117,7 +130,7 @@ impl Upstream {
                 host,
                 base_path,
                 timeout,
-                client,
+                clients: ThreadLocal::new(),
             }),
         })
     }
@@ -162,7 +175,7 @@ impl Target {
     async fn forward(&self, parts: &request::Parts, body: Body) -> Result<Response, UpstreamError> {
         let request = self.request(parts, body).map_err(UpstreamError::NotSent)?;
         let is_head = parts.method == Method::HEAD;
-        let answer = tokio::time::timeout(self.timeout, self.client.request(request))
+        let answer = tokio::time::timeout(self.timeout, self.client().request(request))
             .await
             .map_err(|_| UpstreamError::Timeout)?
             .map_err(client_error)?;
@@ -186,7 +199,7 @@ impl Target {
     ) -> Result<Response, UpstreamError> {
         let request = self.request(parts, body).map_err(UpstreamError::NotSent)?;
         let exchange = async {
-            let answer = self.client.request(request).await.map_err(client_error)?;
+            let answer = self.client().request(request).await.map_err(client_error)?;
             let (mut head, incoming) = answer.into_parts();
             strip_hop_by_hop(&mut head.headers);
             let read = BufferedResponse::read(Response::from_parts(head, incoming))
