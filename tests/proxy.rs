@@ -782,6 +782,52 @@ fn workers_sharing_one_port_execute_each_key_once() -> Result<()> {
     fifty_keys_run_once(&w, "w", 1)
 }
 
+/// The workers' listeners share their port with each other only: a second
+/// `idem serve` on a port in use fails to start, as any server would.
+#[test]
+fn a_second_proxy_on_a_port_in_use_does_not_start() -> Result<()> {
+    let w = World::start(None)?;
+    let addr = w
+        .proxy
+        .url("")
+        .strip_prefix("http://")
+        .context("the proxy's URL")?
+        .to_owned();
+    let mut second = std::process::Command::new(serve::idem_bin()?)
+        .args(["serve", "--listen", &addr, "--upstream", &w.up.url()])
+        .arg("--db")
+        .arg(w.db.with_extension("second.db"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    // A second proxy that did start would serve forever: give it a while
+    // to fail, then stop it and fail the test.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = second.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            second.kill()?;
+            second.wait()?;
+            bail!("the second proxy started on {addr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    ensure!(!status.success(), "the second proxy exited with success");
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().context("stderr")?, &mut stderr)?;
+    ensure!(
+        stderr.contains("cannot listen on --listen"),
+        "stderr: {stderr}"
+    );
+    // The first proxy still answers.
+    expect_fresh(
+        &w.proxy.post("/orders").key("after").json(BODY).send()?,
+        201,
+    )
+}
+
 /// Fifty distinct keys (`PREFIX-0` to `PREFIX-49`) sent at once, after
 /// `before` executions: each executes once, and each replays its answer.
 fn fifty_keys_run_once(w: &World, prefix: &str, before: usize) -> Result<()> {

@@ -369,11 +369,16 @@ fn serve_per_thread(proxy: Proxy, listen: &str, admin: Option<&str>, workers: us
         .with_context(|| format!("cannot resolve --listen {listen}"))?
         .next()
         .with_context(|| format!("--listen {listen} names no address"))?;
+    // A plain bind first: it fails, as a server's bind should, when any
+    // other socket holds the port, another `idem serve` included (sockets
+    // that all set SO_REUSEPORT could share it silently). With port 0 it
+    // picks the port that every worker then listens on.
+    let addr = std::net::TcpListener::bind(addr)
+        .and_then(|probe| probe.local_addr())
+        .with_context(|| format!("cannot listen on --listen {listen}"))?;
     let listener = first
         .block_on(async { bind_reuseport(addr) })
         .with_context(|| format!("cannot listen on --listen {listen}"))?;
-    // Port 0 picked a port: the other workers listen on that one.
-    let addr = listener.local_addr()?;
     let mut listeners = Vec::with_capacity(others.len());
     for runtime in others {
         listeners.push(
