@@ -65,7 +65,7 @@ echo "== packages: python: install the wheel into a clean venv, run its tests th
 venv="$work/test-venv"
 python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$work"/wheels/idem_engine-*.whl \
-    pytest==8.3.4 starlette==0.46.1 httpx==0.28.1
+    pytest==8.3.4 starlette==0.46.1 httpx==0.28.1 fastapi==0.115.14
 cp -r packages/python/tests "$work/python-tests"
 status=0
 (cd "$work/python-tests" && "$venv/bin/python" -m pytest -q -p no:cacheprovider) || status=$?
