@@ -529,7 +529,8 @@ impl Engine {
     /// Runs `action` at most once per key: begins, runs the action only on
     /// `execute`, then stores its outcome. The gap between the action and
     /// the stored outcome is covered by the lease and by reconciliation;
-    /// with SQLite business data, [`Engine::run_in_transaction`] closes it.
+    /// with business data in the store's own database,
+    /// [`Engine::run_with_transaction`] closes it.
     pub fn run(
         &self,
         request: &BeginRequest,

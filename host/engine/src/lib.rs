@@ -8,7 +8,7 @@
 //! Durable backends are crates of their own (`idem-sqlite`,
 //! `idem-postgres`), so a service compiles only the database it uses; the
 //! `testing` feature exports the conformance suite every backend runs
-//! ([`testing`]).
+//! (`testing`).
 //!
 //! ```
 //! use idem_engine::{BeginRequest, Decision, Engine, MemoryStore, Policy, RecordKey, Success};

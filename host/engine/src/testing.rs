@@ -4,10 +4,10 @@
 //! without group commit, a SQLite transaction, PostgreSQL) run it; a
 //! backend outside this workspace runs it the same way:
 //!
-//! ```ignore
+//! ```
 //! /// Runs one case against a fresh, empty store, then checks the store.
-//! fn with_my_store(case: fn(&dyn idem_engine::Storage)) {
-//!     let store = MyStore::connect_to_an_empty_database();
+//! fn with_my_store(case: idem_engine::testing::Case) {
+//!     let store = idem_engine::MemoryStore::new(); // your backend, connected to an empty database
 //!     case(&store);
 //! }
 //!

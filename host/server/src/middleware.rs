@@ -34,7 +34,7 @@
 //! API, as `wasi:http` requires; the store calls never run on the
 //! runtime's worker threads. Each call of idem's `store`, `clock.pause` and
 //! `results` imports is an async import that hands the blocking call to
-//! the runtime's blocking thread pool ([`blocking`]) and suspends the
+//! the runtime's blocking thread pool (`blocking`) and suspends the
 //! instance until it returns. That is the same pool `idem serve` runs its
 //! engine calls on, so every [`Storage`] works here as it does there,
 //! including the PostgreSQL store, whose blocking client runs a runtime of

@@ -2,7 +2,7 @@
 //! idempotent with an `Idempotency-Key` header.
 //!
 //! The proxy decides nothing about keys: it maps each HTTP request to a
-//! [`BeginRequest`], asks the [`Engine`], and maps the [`Decision`] back to
+//! `BeginRequest`, asks the [`Engine`], and maps the `Decision` back to
 //! HTTP. Only `execute` reaches the upstream; its answer is stored with
 //! `complete` or `fail` and replayed to duplicates.
 //!

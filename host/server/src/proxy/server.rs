@@ -7,7 +7,7 @@
 //!   connection is closed; a connection that sends nothing at all is closed.
 //!   An idle keep-alive connection between requests is left alone.
 //! - A request carrying both `Content-Length` and `Transfer-Encoding` is
-//!   refused with `400` before it reaches the router (see [`super::framing`]).
+//!   refused with `400` before it reaches the router (see `framing.rs`).
 //!
 //! Every request reaches the router with the connection's peer address as
 //! an [`axum::extract::ConnectInfo`]`<SocketAddr>` extension.
