@@ -21,7 +21,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rusqlite::types::FromSql;
-use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, ToSql, TransactionBehavior};
+use rusqlite::{Connection, ErrorCode, OpenFlags, ToSql, TransactionBehavior};
 
 use idem_engine::store::sql::{self as columns, parse_status, saturate, to_json, to_u32, to_u64};
 use idem_engine::types::{
@@ -104,8 +104,7 @@ const SQL_INSERT: &str = "INSERT INTO idempotency_record (
         fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at,
         result_ref, response, failure)
     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)
-    ON CONFLICT (scope_key, biz_type, idem_key) DO NOTHING
-    RETURNING id";
+    ON CONFLICT (scope_key, biz_type, idem_key) DO NOTHING";
 
 const SQL_GET: &str = concat!(
     "SELECT ",
@@ -515,7 +514,7 @@ impl SqliteStore {
     /// writers, in this process or others, wait up to the busy timeout.
     pub fn begin_transaction(&self) -> Result<SqliteTransaction, StoreError> {
         let conn = self.checkout()?;
-        conn.execute_batch("BEGIN IMMEDIATE").map_err(map_err)?;
+        run_statement(&conn, SQL_BEGIN)?;
         Ok(SqliteTransaction {
             conn: Mutex::new(Some(conn)),
         })
@@ -563,14 +562,34 @@ impl SqliteStore {
                     self.inner.busy_timeout
                 ))
             })?;
-        let mut conn = self.checkout()?;
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(map_err)?;
-        let out = op(&tx)?;
-        tx.commit().map_err(map_err)?;
-        Ok(out)
+        let conn = self.checkout()?;
+        run_statement(&conn, SQL_BEGIN)?;
+        let out = op(&conn).and_then(|out| run_statement(&conn, SQL_COMMIT).map(|()| out));
+        if out.is_err()
+            && !conn.is_autocommit()
+            && let Err(e) = conn.execute_batch("ROLLBACK")
+        {
+            // The pool retries the rollback, or discards the connection.
+            tracing::warn!(error = %e, "rollback of a failed SQLite write failed");
+        }
+        out
     }
+}
+
+/// Starts a write transaction. Taking the write lock at the start means a
+/// write never fails half-way on a lock another connection took after its
+/// read.
+const SQL_BEGIN: &str = "BEGIN IMMEDIATE";
+const SQL_COMMIT: &str = "COMMIT";
+
+/// Runs `sql`, a statement without parameters or rows, from the
+/// connection's statement cache: `BEGIN` and `COMMIT` run twice for every
+/// claimed key, and `execute_batch` would parse them again each time.
+fn run_statement(conn: &Connection, sql: &str) -> Result<(), StoreError> {
+    conn.prepare_cached(sql)
+        .and_then(|mut stmt| stmt.execute([]))
+        .map(drop)
+        .map_err(map_err)
 }
 
 impl Storage for SqliteStore {
@@ -679,7 +698,7 @@ impl SqliteTransaction {
         }
         // On failure, `conn` goes back to the pool, which rolls back what is
         // left of the transaction.
-        conn.execute_batch("COMMIT").map_err(map_err)
+        run_statement(&conn, SQL_COMMIT)
     }
 
     /// Rolls back every write made in the transaction.
@@ -893,16 +912,16 @@ fn try_insert(
 ) -> Result<Option<StoredRecord>, StoreError> {
     let row = EncodedRecord::new(candidate)?;
     let mut stmt = conn.prepare_cached(SQL_INSERT).map_err(map_err)?;
-    let id: Option<i64> = stmt
-        .query_row(row.params().as_slice(), |r| r.get(0))
-        .optional()
-        .map_err(map_err)?;
-    id.map(|id| {
-        let mut inserted = candidate.clone();
-        inserted.id = to_u64(id, "id")?;
-        Ok(inserted)
-    })
-    .transpose()
+    // Not `RETURNING id`: SQLite buffers RETURNING rows in a temporary
+    // table, opened and closed for every insert. `ON CONFLICT DO NOTHING`
+    // changes no row when the key is taken, and the new row's id is the
+    // connection's last insert rowid otherwise.
+    if stmt.execute(row.params().as_slice()).map_err(map_err)? == 0 {
+        return Ok(None);
+    }
+    let mut inserted = candidate.clone();
+    inserted.id = to_u64(conn.last_insert_rowid(), "id")?;
+    Ok(Some(inserted))
 }
 
 /// The whole `insert_if_absent`; inside a transaction, the existing
