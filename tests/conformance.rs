@@ -404,16 +404,22 @@ fn always_final_stores_retryable_failures(h: &Harness) -> Result<()> {
     Ok(())
 }
 
-fn outcome_unknown_blocks_the_key(h: &Harness) -> Result<()> {
-    let mut req = request("k1", "{}");
-    req.policy.expired_lease = ExpiredLease::Manual;
-    let t = execute(h, &req)?;
+/// Executes `req` and reports its outcome unknown (a timeout).
+fn unknown_outcome(h: &Harness, req: &BeginRequest) -> Result<Ticket> {
+    let t = execute(h, req)?;
     h.engine.fail(
         &t,
         &req.policy,
         &failure("timeout"),
         Disposition::OutcomeUnknown,
     )?;
+    Ok(t)
+}
+
+fn outcome_unknown_blocks_the_key(h: &Harness) -> Result<()> {
+    let mut req = request("k1", "{}");
+    req.policy.expired_lease = ExpiredLease::Manual;
+    unknown_outcome(h, &req)?;
     h.clock.advance(10 * req.policy.retention_ms);
     match h.engine.begin(&req)? {
         Decision::OutcomeUnknown(u) => {
@@ -428,14 +434,19 @@ fn outcome_unknown_blocks_the_key(h: &Harness) -> Result<()> {
 }
 
 fn outcome_unknown_follows_the_policy_once_the_lease_ends(h: &Harness) -> Result<()> {
-    let req = request("k1", "{}");
-    let t = execute(h, &req)?;
-    h.engine.fail(
-        &t,
-        &req.policy,
-        &failure("timeout"),
-        Disposition::OutcomeUnknown,
-    )?;
+    // By default an unknown outcome stays blocked, although expired leases
+    // are taken over: the action may have run.
+    let req = request("k0", "{}");
+    ensure!(req.policy.expired_lease == ExpiredLease::TakeOver);
+    ensure!(req.policy.outcome_unknown == ExpiredLease::Manual);
+    let t = unknown_outcome(h, &req)?;
+    h.clock.set(t.lease_until + req.policy.retention_ms * 2);
+    ensure!(matches!(h.engine.begin(&req)?, Decision::OutcomeUnknown(_)));
+    ensure!(status_of(h, "k0")? == Some(Status::OutcomeUnknown));
+    // Under `take-over`, it runs again once the lease has ended.
+    let mut req = request("k1", "{}");
+    req.policy.outcome_unknown = ExpiredLease::TakeOver;
+    let t = unknown_outcome(h, &req)?;
     h.clock.set(t.lease_until - 1);
     ensure!(matches!(h.engine.begin(&req)?, Decision::OutcomeUnknown(_)));
     h.clock.set(t.lease_until);
@@ -446,14 +457,8 @@ fn outcome_unknown_follows_the_policy_once_the_lease_ends(h: &Harness) -> Result
     );
     // Under `reconcile`, the business data is asked first.
     let mut req = request("k2", "{}");
-    req.policy.expired_lease = ExpiredLease::Reconcile;
-    let t = execute(h, &req)?;
-    h.engine.fail(
-        &t,
-        &req.policy,
-        &failure("timeout"),
-        Disposition::OutcomeUnknown,
-    )?;
+    req.policy.outcome_unknown = ExpiredLease::Reconcile;
+    let t = unknown_outcome(h, &req)?;
     h.results.insert(&key("k2"), "order-2");
     h.clock.set(t.lease_until);
     match h.engine.begin(&req)? {
@@ -633,23 +638,41 @@ fn reconcile_not_found_manual_is_left(h: &Harness) -> Result<()> {
 }
 
 fn outcome_unknown_is_reconciled(h: &Harness) -> Result<()> {
-    let p = policy();
-    for k in ["found", "missing"] {
-        let t = abandon(h, k, &p)?;
-        h.engine
-            .fail(&t, &p, &failure("timeout"), Disposition::OutcomeUnknown)?;
+    // By default (`outcome_unknown = manual`) a result that is not found
+    // leaves the key blocked for an operator; under `take-over` it is
+    // released for a new attempt.
+    // (`take-over` first: the key `manual` leaves blocked stays stale, and
+    // a later run would examine it again.)
+    for (mode, found, missing) in [
+        (ExpiredLease::TakeOver, "found-t", "missing-t"),
+        (ExpiredLease::Manual, "found-m", "missing-m"),
+    ] {
+        let p = Policy {
+            outcome_unknown: mode,
+            ..policy()
+        };
+        for k in [found, missing] {
+            let t = abandon(h, k, &p)?;
+            h.engine
+                .fail(&t, &p, &failure("timeout"), Disposition::OutcomeUnknown)?;
+        }
+        h.results.insert(&key(found), "order-5");
+        // No lease to wait for: an unknown outcome is examined at once.
+        let r = h.engine.reconcile("order.create", &p, 10)?;
+        ensure!(r.examined == 2 && r.succeeded == 1, "{mode:?}: {r:?}");
+        ensure!(status_of(h, found)? == Some(Status::Succeeded));
+        let req = BeginRequest::json(key(missing), "{}", p.clone());
+        if mode == ExpiredLease::Manual {
+            ensure!(r.left_for_manual == 1 && r.released == 0, "{r:?}");
+            ensure!(status_of(h, missing)? == Some(Status::OutcomeUnknown));
+            ensure!(matches!(h.engine.begin(&req)?, Decision::OutcomeUnknown(_)));
+        } else {
+            ensure!(r.released == 1 && r.left_for_manual == 0, "{r:?}");
+            ensure!(status_of(h, missing)? == Some(Status::Released));
+            let t = execute(h, &req)?;
+            ensure!(t.attempt == 2, "{t:?}");
+        }
     }
-    h.results.insert(&key("found"), "order-5");
-    // No lease to wait for: an unknown outcome is examined at once.
-    let r = h.engine.reconcile("order.create", &p, 10)?;
-    ensure!(
-        r.examined == 2 && r.succeeded == 1 && r.released == 1,
-        "{r:?}"
-    );
-    ensure!(status_of(h, "found")? == Some(Status::Succeeded));
-    ensure!(status_of(h, "missing")? == Some(Status::Released));
-    let t = execute(h, &BeginRequest::json(key("missing"), "{}", p))?;
-    ensure!(t.attempt == 2, "{t:?}");
     Ok(())
 }
 

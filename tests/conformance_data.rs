@@ -322,7 +322,8 @@ fn failure_of(v: &Value) -> Result<Failure> {
 fn default_policy() -> Value {
     json!({
         "retention-ms": 3_600_000, "lease-ms": 30_000, "retry-after-ms": 1_000,
-        "expired-lease": "take-over", "failure-mode": "honor-disposition", "in-progress": "reject",
+        "expired-lease": "take-over", "outcome-unknown": "manual",
+        "failure-mode": "honor-disposition", "in-progress": "reject",
         "fingerprint-fields": [],
         "key-format": { "min-length": 1, "max-length": 255, "charset": "printable-ascii" },
         "max-body-bytes": 1_048_576
@@ -349,17 +350,21 @@ fn merge_policy(base: &mut Value, over: Option<&Value>) {
 
 fn policy_of(v: &Value) -> Result<Policy> {
     let name = |k: &str| v[k].as_str().map(str::to_owned).context(k.to_owned());
+    let mode = |k: &str| -> Result<ExpiredLease> {
+        Ok(match name(k)?.as_str() {
+            "take-over" => ExpiredLease::TakeOver,
+            "reconcile" => ExpiredLease::Reconcile,
+            "manual" => ExpiredLease::Manual,
+            other => bail!("{k} {other}"),
+        })
+    };
     let kf = &v["key-format"];
     Ok(Policy {
         retention_ms: u64_of(&v["retention-ms"])?,
         lease_ms: u64_of(&v["lease-ms"])?,
         retry_after_ms: u64_of(&v["retry-after-ms"])?,
-        expired_lease: match name("expired-lease")?.as_str() {
-            "take-over" => ExpiredLease::TakeOver,
-            "reconcile" => ExpiredLease::Reconcile,
-            "manual" => ExpiredLease::Manual,
-            other => bail!("expired-lease {other}"),
-        },
+        expired_lease: mode("expired-lease")?,
+        outcome_unknown: mode("outcome-unknown")?,
         failure_mode: match name("failure-mode")?.as_str() {
             "honor-disposition" => FailureMode::HonorDisposition,
             "always-final" => FailureMode::AlwaysFinal,

@@ -445,6 +445,52 @@ async fn an_inner_error_after_the_request_leaves_the_outcome_unknown() -> Result
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_is_not_run_again_after_its_lease_unless_the_policy_says_so()
+-> Result<()> {
+    // (policy, runs after the lease ended): by default a timed-out request
+    // stays blocked although `expired_lease` is take-over; only an
+    // explicit `outcome_unknown = "take-over"` runs it again.
+    for (toml, runs) in [
+        ("[defaults]\nlease_ms = 1000\n", 1),
+        (
+            "[defaults]\nlease_ms = 1000\noutcome_unknown = \"manual\"\n",
+            1,
+        ),
+        (
+            "[defaults]\nlease_ms = 1000\noutcome_unknown = \"take-over\"\n",
+            2,
+        ),
+    ] {
+        let store = MemoryStore::new();
+        let clock = ManualClock::new(T0);
+        let engine = Engine::builder()
+            .storage(store)
+            .clock(clock.clone())
+            .build()?;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let layer = IdempotencyLayer::new(engine, ProxyConfig::from_toml_str(toml)?)?;
+        let service = tower::Layer::layer(
+            &layer,
+            failing(calls.clone(), || Box::new(UpstreamError::Timeout)),
+        );
+        let router = Router::new().fallback_service(service);
+        let r = send(&router, request("POST", "/orders", Some("u"), "{}")).await?;
+        assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{}", r.body);
+        // Long past the lease, and past the retention of settled keys.
+        clock.advance(1000 * 3600 * 48);
+        let dup = send(&router, request("POST", "/orders", Some("u"), "{}")).await?;
+        assert_eq!(calls.load(Ordering::SeqCst), runs, "{toml}");
+        if runs == 1 {
+            assert_eq!(dup.status, StatusCode::CONFLICT, "{}", dup.body);
+            assert_eq!(dup.problem_type(), "outcome-unknown", "{toml}");
+        } else {
+            assert_eq!(dup.status, StatusCode::GATEWAY_TIMEOUT, "{}", dup.body);
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_failure_is_503_and_the_handler_never_runs() -> Result<()> {
     let (app, router, store) = app("")?;
     store.disconnect();

@@ -355,8 +355,8 @@ fn assess(
             Assessment::Answer(Decision::OutcomeUnknown(unknown(rec, rec.updated_at)))
         }
         // The owner is gone, or its outcome is unknown and its lease over:
-        // the policy decides.
-        Status::Processing | Status::OutcomeUnknown => match policy.expired_lease {
+        // the policy for that case decides.
+        Status::Processing | Status::OutcomeUnknown => match stale_mode(rec.status, policy) {
             ExpiredLease::TakeOver => Assessment::Claim {
                 next: Box::new(owned_by_next(rec, now, policy.lease_ms, true)?),
                 reconcile_first: false,
@@ -374,6 +374,16 @@ fn assess(
             }
         },
     })
+}
+
+/// What the policy does with a stale record of `status`: an expired lease
+/// of a `processing` owner (`expired-lease`) or an `outcome-unknown` record
+/// whose reporting owner's lease has ended (`outcome-unknown`).
+fn stale_mode(status: Status, policy: &Policy) -> ExpiredLease {
+    match status {
+        Status::OutcomeUnknown => policy.outcome_unknown,
+        _ => policy.expired_lease,
+    }
 }
 
 /// `engine.begin`.
@@ -758,7 +768,7 @@ pub fn reconcile(
                 next = succeeded(&owned, now, policy, Some(result_ref), None)?;
                 &mut report.succeeded
             }
-            Ok(None) if policy.expired_lease == ExpiredLease::Manual => {
+            Ok(None) if stale_mode(rec.status, policy) == ExpiredLease::Manual => {
                 next.status = Status::OutcomeUnknown;
                 &mut report.left_for_manual
             }

@@ -275,6 +275,11 @@ pub fn begin_request(bytes: &[u8]) -> BeginRequest {
             1 => ExpiredLease::Reconcile,
             _ => ExpiredLease::Manual,
         },
+        outcome_unknown: match r.byte() % 3 {
+            0 => ExpiredLease::TakeOver,
+            1 => ExpiredLease::Reconcile,
+            _ => ExpiredLease::Manual,
+        },
         failure_mode: if r.byte() % 2 == 0 {
             FailureMode::HonorDisposition
         } else {

@@ -621,6 +621,7 @@ mod tests {
             lease_ms: 30_000,
             retry_after_ms: 1_000,
             expired_lease: ExpiredLease::TakeOver,
+            outcome_unknown: ExpiredLease::Manual,
             failure_mode: FailureMode::HonorDisposition,
             in_progress: InProgressMode::Reject,
             fingerprint_fields: Vec::new(),

@@ -11,8 +11,13 @@ export interface Policy {
   lease_ms?: number | bigint;
   /** The longest retry-after hint, in ms (default 1000). */
   retry_after_ms?: number | bigint;
-  /** What to do with an expired lease (default "take-over"). */
+  /** What to do with a processing record whose lease expired: its owner crashed (default "take-over"). */
   expired_lease?: "take-over" | "reconcile" | "manual";
+  /**
+   * What to do with an outcome-unknown record once its lease ended (default
+   * "manual": blocked until reconciled or settled; the action may have run).
+   */
+  outcome_unknown?: "take-over" | "reconcile" | "manual";
   /** What a retryable failure does (default "honor-disposition"). */
   failure_mode?: "honor-disposition" | "always-final";
   /** What to do while another owner is executing (default "reject"). */

@@ -334,12 +334,15 @@ fn key(idem_key: &str) -> RecordKey {
     }
 }
 
+/// A policy whose stale records of both kinds (an expired `processing`
+/// lease, an `outcome-unknown` past its lease) follow `expired_lease`.
 fn policy_with(expired_lease: ExpiredLease) -> Policy {
     Policy {
         retention_ms: RETENTION,
         lease_ms: LEASE,
         retry_after_ms: RETRY,
         expired_lease,
+        outcome_unknown: expired_lease,
         failure_mode: FailureMode::HonorDisposition,
         in_progress: InProgressMode::Reject,
         fingerprint_fields: Vec::new(),
@@ -765,6 +768,89 @@ fn an_unknown_outcome_is_handled_by_the_policy_once_the_lease_ends() {
             (e, d) => panic!("{e:?}: unexpected {d:?}"),
         }
     }
+}
+
+#[test]
+fn an_unknown_outcome_follows_its_own_policy_and_a_crashed_owner_the_expired_lease() {
+    // Every pair of modes: the status of the stale record picks which one
+    // decides, the other is never consulted.
+    for expired_lease in ALL_EXPIRED_LEASE {
+        for outcome_unknown in ALL_EXPIRED_LEASE {
+            let p = Policy {
+                outcome_unknown,
+                ..policy_with(expired_lease)
+            };
+            for (status, mode) in [
+                (Status::Processing, expired_lease),
+                (Status::OutcomeUnknown, outcome_unknown),
+            ] {
+                let env = Fake::new();
+                let (k, t) = settled_in(&env, status, &p);
+                // The lookup finds nothing: `reconcile` then executes.
+                env.set_time(t.lease_until);
+                let before = env.snapshot();
+                let d = decide(&env, &k, 1, &p);
+                let what = format!(
+                    "{status:?} under expired-lease {expired_lease:?}, outcome-unknown {outcome_unknown:?}"
+                );
+                match (mode, d) {
+                    (ExpiredLease::TakeOver, Decision::Execute(t2)) => {
+                        assert_eq!(t2.fencing_token, 2, "{what}");
+                        assert_eq!(env.count(Op::FindResult), 0, "{what}");
+                    }
+                    (ExpiredLease::Reconcile, Decision::Execute(t2)) => {
+                        assert_eq!(t2.fencing_token, 2, "{what}");
+                        assert_eq!(env.count(Op::FindResult), 1, "{what}");
+                    }
+                    (ExpiredLease::Manual, Decision::OutcomeUnknown(_)) => {
+                        assert_eq!(env.snapshot(), before, "{what}");
+                        assert_eq!(env.count(Op::FindResult), 0, "{what}");
+                    }
+                    (mode, d) => panic!("{what}: {mode:?} decided {d:?}"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reconcile_settles_each_stale_record_by_the_policy_for_its_status() {
+    // Crashed owners may be run again; unknown outcomes wait for a person.
+    let p = Policy {
+        outcome_unknown: ExpiredLease::Manual,
+        ..policy_with(ExpiredLease::TakeOver)
+    };
+    let env = Fake::new();
+    let (crashed, t1) = settled_in(&env, Status::Processing, &p);
+    let unknown = key("unknown");
+    let t2 = start(&env, &unknown, &p);
+    fail(
+        &env,
+        &t2,
+        &p,
+        &failure("timeout"),
+        Disposition::OutcomeUnknown,
+    )
+    .expect("the outcome-unknown report is stored");
+    env.set_time(t1.lease_until.max(t2.lease_until));
+    let r = reconcile(&env, BIZ, &p, 10).expect("reconcile");
+    assert_eq!(
+        (r.examined, r.released, r.left_for_manual),
+        (2, 1, 1),
+        "{r:?}"
+    );
+    assert_eq!(
+        env.record(&crashed).map(|r| r.status),
+        Some(Status::Released)
+    );
+    assert_eq!(
+        env.record(&unknown).map(|r| r.status),
+        Some(Status::OutcomeUnknown)
+    );
+    assert!(matches!(
+        decide(&env, &unknown, 1, &p),
+        Decision::OutcomeUnknown(_)
+    ));
 }
 
 #[test]
@@ -2711,12 +2797,15 @@ fn step_strategy() -> impl Strategy<Value = Step> {
 }
 
 fn policy_strategy() -> impl Strategy<Value = Policy> {
-    (
+    let mode = || {
         prop_oneof![
             Just(ExpiredLease::TakeOver),
             Just(ExpiredLease::Reconcile),
             Just(ExpiredLease::Manual),
-        ],
+        ]
+    };
+    (
+        (mode(), mode()),
         prop_oneof![
             Just(FailureMode::HonorDisposition),
             Just(FailureMode::AlwaysFinal),
@@ -2729,15 +2818,18 @@ fn policy_strategy() -> impl Strategy<Value = Policy> {
             })),
         ],
     )
-        .prop_map(|(expired_lease, failure_mode, in_progress)| Policy {
-            retention_ms: 400,
-            lease_ms: 100,
-            retry_after_ms: 30,
-            expired_lease,
-            failure_mode,
-            in_progress,
-            ..policy()
-        })
+        .prop_map(
+            |((expired_lease, outcome_unknown), failure_mode, in_progress)| Policy {
+                retention_ms: 400,
+                lease_ms: 100,
+                retry_after_ms: 30,
+                expired_lease,
+                outcome_unknown,
+                failure_mode,
+                in_progress,
+                ..policy()
+            },
+        )
 }
 
 /// The fake plus what the test knows: the tickets each owner holds, and
@@ -2824,9 +2916,11 @@ impl World {
                     r.examined,
                     "{r:?}"
                 );
-                if self.policy.expired_lease == ExpiredLease::Manual {
+                let manual = [self.policy.expired_lease, self.policy.outcome_unknown]
+                    .map(|mode| mode == ExpiredLease::Manual);
+                if manual == [true, true] {
                     assert_eq!(r.released, 0);
-                } else {
+                } else if manual == [false, false] {
                     assert_eq!(r.left_for_manual, 0);
                 }
             }
@@ -2888,7 +2982,8 @@ impl World {
             Ok(Decision::Invalid(i)) => panic!("invalid: {}", i.message),
             Err(EngineError::Store(_)) => assert!(
                 matches!(lookup, Lookup::Fails)
-                    && self.policy.expired_lease == ExpiredLease::Reconcile,
+                    && ExpiredLease::Reconcile == self.policy.expired_lease
+                    || ExpiredLease::Reconcile == self.policy.outcome_unknown,
                 "only a failed lookup is an error here"
             ),
             Err(e) => panic!("begin: {e:?}"),

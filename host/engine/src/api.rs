@@ -70,7 +70,9 @@ impl Default for KeyFormat {
     }
 }
 
-/// What `begin` does with a processing record whose lease has expired.
+/// What `begin` does with a stale record: a processing record whose lease
+/// has expired ([`Policy::expired_lease`]), or an outcome-unknown record
+/// whose reporting owner's lease has ended ([`Policy::outcome_unknown`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ExpiredLease {
@@ -120,8 +122,17 @@ pub struct Policy {
     pub lease_ms: u64,
     /// The longest retry-after hint, in milliseconds.
     pub retry_after_ms: u64,
-    /// What to do with an expired lease.
+    /// What to do with a processing record whose lease has expired: its
+    /// owner crashed, hung or timed out.
     pub expired_lease: ExpiredLease,
+    /// What to do with an outcome-unknown record once the lease of the
+    /// owner that reported it has ended. The action may have taken effect,
+    /// so the default is [`ExpiredLease::Manual`]: the key stays blocked
+    /// until a lookup or an operator settles it. Executing again without
+    /// asking is the blind retry that runs one action twice. Absent from a
+    /// serialized policy written before it existed: `manual`.
+    #[serde(default = "blocked")]
+    pub outcome_unknown: ExpiredLease,
     /// What a retryable failure does.
     pub failure_mode: FailureMode,
     /// What to do while another owner is executing.
@@ -136,14 +147,16 @@ pub struct Policy {
 
 impl Default for Policy {
     /// The defaults named by this module's constants; expired leases are
-    /// taken over (fencing stops the old owner), failures follow their
-    /// disposition, and in-progress duplicates are answered at once.
+    /// taken over (fencing stops the old owner), unknown outcomes wait for
+    /// a lookup or an operator, failures follow their disposition, and
+    /// in-progress duplicates are answered at once.
     fn default() -> Self {
         Self {
             retention_ms: millis(DEFAULT_RETENTION),
             lease_ms: millis(DEFAULT_LEASE),
             retry_after_ms: millis(DEFAULT_RETRY_AFTER),
             expired_lease: ExpiredLease::TakeOver,
+            outcome_unknown: blocked(),
             failure_mode: FailureMode::HonorDisposition,
             in_progress: InProgressMode::Reject,
             fingerprint_fields: Vec::new(),
@@ -151,6 +164,11 @@ impl Default for Policy {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }
+}
+
+/// The default for [`Policy::outcome_unknown`].
+fn blocked() -> ExpiredLease {
+    ExpiredLease::Manual
 }
 
 /// A duration in whole milliseconds, saturating.

@@ -108,13 +108,15 @@ from_parts! {
     wit_engine::WaitSpec { max_wait_ms: u64, poll_interval_ms: u64 }
     api::Policy {
         retention_ms: u64, lease_ms: u64, retry_after_ms: u64,
-        expired_lease: api::ExpiredLease, failure_mode: api::FailureMode,
+        expired_lease: api::ExpiredLease, outcome_unknown: api::ExpiredLease,
+        failure_mode: api::FailureMode,
         in_progress: api::InProgressMode, fingerprint_fields: Vec<String>,
         key_format: api::KeyFormat, max_body_bytes: u32,
     }
     wit_engine::Policy {
         retention_ms: u64, lease_ms: u64, retry_after_ms: u64,
-        expired_lease: wit_engine::ExpiredLease, failure_mode: wit_engine::FailureMode,
+        expired_lease: wit_engine::ExpiredLease, outcome_unknown: wit_engine::ExpiredLease,
+        failure_mode: wit_engine::FailureMode,
         in_progress: wit_engine::InProgressMode, fingerprint_fields: Vec<String>,
         key_format: wit_engine::KeyFormat, max_body_bytes: u32,
     }
@@ -170,8 +172,8 @@ structs! {
     api::KeyFormat => wit_engine::KeyFormat { min_length, max_length, charset }
     api::WaitSpec => wit_engine::WaitSpec { max_wait_ms, poll_interval_ms }
     api::Policy => wit_engine::Policy {
-        retention_ms, lease_ms, retry_after_ms, expired_lease, failure_mode, in_progress,
-        fingerprint_fields, key_format, max_body_bytes,
+        retention_ms, lease_ms, retry_after_ms, expired_lease, outcome_unknown, failure_mode,
+        in_progress, fingerprint_fields, key_format, max_body_bytes,
     }
     api::BeginRequest => wit_engine::BeginRequest { key, attributes, body_kind, body, policy }
     api::Ticket => wit_engine::Ticket { key, record_id, fencing_token, lease_until, attempt }

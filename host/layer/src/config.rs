@@ -173,6 +173,16 @@ pub struct PolicyConfig {
     /// none, so the key answers 503 until an operator settles it). Default
     /// `"take-over"`.
     pub expired_lease: Option<ExpiredLease>,
+    /// `outcome_unknown`: what a duplicate does once the lease of a request
+    /// whose outcome is unknown has ended (the upstream timed out, or the
+    /// connection broke after the request was sent, so it may have acted):
+    /// `"manual"` (answer 409 outcome-unknown until an operator settles
+    /// the key), `"reconcile"` (ask the business data first; the proxy has
+    /// none, so the key answers 503 until an operator settles it) or
+    /// `"take-over"` (execute again: only for actions that are safe to
+    /// repeat). Default `"manual"`: retrying an unknown outcome blindly is
+    /// how one payment is charged twice.
+    pub outcome_unknown: Option<ExpiredLease>,
     /// `in_progress`: `"reject"` (409 with `Retry-After`) or
     /// `{ wait_ms = 5000, poll_ms = 50 }` (wait, bounded, for the first
     /// request's result). Default `"reject"`.
@@ -207,6 +217,7 @@ impl PolicyConfig {
             lease_ms: self.lease_ms.or(base.lease_ms),
             retry_after_ms: self.retry_after_ms.or(base.retry_after_ms),
             expired_lease: self.expired_lease.or(base.expired_lease),
+            outcome_unknown: self.outcome_unknown.or(base.outcome_unknown),
             in_progress: self.in_progress.or(base.in_progress),
             server_errors: self.server_errors.or(base.server_errors),
             key: self.key.or(base.key),
@@ -226,6 +237,7 @@ impl PolicyConfig {
             lease_ms: self.lease_ms.unwrap_or(d.lease_ms),
             retry_after_ms: self.retry_after_ms.unwrap_or(d.retry_after_ms),
             expired_lease: self.expired_lease.unwrap_or(d.expired_lease),
+            outcome_unknown: self.outcome_unknown.unwrap_or(d.outcome_unknown),
             // 5xx answers are made final by the proxy calling `fail` with
             // `final` (see `server_errors`); `always-final` would also store
             // the failures that must stay retryable (429, connection refused).
@@ -298,6 +310,8 @@ pub struct RouteConfig {
     pub retry_after_ms: Option<u64>,
     /// See [`PolicyConfig::expired_lease`].
     pub expired_lease: Option<ExpiredLease>,
+    /// See [`PolicyConfig::outcome_unknown`].
+    pub outcome_unknown: Option<ExpiredLease>,
     /// See [`PolicyConfig::in_progress`].
     pub in_progress: Option<InProgressConfig>,
     /// See [`PolicyConfig::server_errors`].
@@ -331,6 +345,7 @@ impl RouteConfig {
             lease_ms: None,
             retry_after_ms: None,
             expired_lease: None,
+            outcome_unknown: None,
             in_progress: None,
             server_errors: None,
             key: None,
@@ -345,6 +360,7 @@ impl RouteConfig {
             lease_ms: self.lease_ms,
             retry_after_ms: self.retry_after_ms,
             expired_lease: self.expired_lease,
+            outcome_unknown: self.outcome_unknown,
             in_progress: self.in_progress,
             server_errors: self.server_errors,
             key: self.key,
@@ -851,6 +867,7 @@ mod tests {
             lease_ms = 2000
             retry_after_ms = 300
             expired_lease = "reconcile"
+            outcome_unknown = "take-over"
             in_progress = "reject"
             server_errors = "store"
             key = "optional"
@@ -864,6 +881,7 @@ mod tests {
             lease_ms = 6
             retry_after_ms = 7
             expired_lease = "manual"
+            outcome_unknown = "reconcile"
             in_progress = { wait_ms = 5000, poll_ms = 20 }
             server_errors = "retry"
             key = "required"
@@ -890,6 +908,7 @@ mod tests {
         assert_eq!(d.policy.lease_ms, 2000);
         assert_eq!(d.policy.retry_after_ms, 300);
         assert_eq!(d.policy.expired_lease, ExpiredLease::Reconcile);
+        assert_eq!(d.policy.outcome_unknown, ExpiredLease::TakeOver);
         assert_eq!(d.policy.in_progress, InProgressMode::Reject);
         assert_eq!(d.policy.failure_mode, FailureMode::HonorDisposition);
         assert_eq!(d.policy.fingerprint_fields, vec!["/a".to_string()]);
@@ -905,6 +924,7 @@ mod tests {
         assert_eq!(o.policy.lease_ms, 6);
         assert_eq!(o.policy.retry_after_ms, 7);
         assert_eq!(o.policy.expired_lease, ExpiredLease::Manual);
+        assert_eq!(o.policy.outcome_unknown, ExpiredLease::Reconcile);
         assert_eq!(
             o.policy.in_progress,
             InProgressMode::Wait(WaitSpec {
@@ -1071,6 +1091,7 @@ mod tests {
                     lease_ms: Some(60_000),
                     retry_after_ms: Some(1_000),
                     expired_lease: Some(ExpiredLease::TakeOver),
+                    outcome_unknown: Some(ExpiredLease::Manual),
                     in_progress: Some(InProgressConfig::Reject),
                     server_errors: Some(ServerErrors::Retry),
                     key: Some(KeyRequirement::Required),

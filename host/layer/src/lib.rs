@@ -176,13 +176,17 @@ impl IdempotencyLayer {
         &self.shared.engine
     }
 
-    /// The routes whose expired leases are reconciled (`expired_lease =
-    /// "reconcile"`), by biz type: such keys need a result lookup.
+    /// The routes whose stale keys are reconciled (`expired_lease` or
+    /// `outcome_unknown` is `"reconcile"`), by biz type: such keys need a
+    /// result lookup.
     pub fn reconciling_biz_types(&self) -> impl Iterator<Item = &str> {
         self.shared
             .routes
             .all()
-            .filter(|r| r.policy.expired_lease == ExpiredLease::Reconcile)
+            .filter(|r| {
+                r.policy.expired_lease == ExpiredLease::Reconcile
+                    || r.policy.outcome_unknown == ExpiredLease::Reconcile
+            })
             .map(|r| r.biz_type.as_str())
     }
 

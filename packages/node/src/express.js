@@ -172,7 +172,7 @@ function capture(idem, ticket, policy, serverErrors, res, onError) {
  * (threw, or called next(err)) on a keyed request gave no complete answer,
  * so the key's outcome is unknown, as in the proxy: the client gets 500
  * `outcome-unknown` and duplicates 409 `outcome-unknown` until the lease
- * ends (then the policy's `expired_lease` decides). Without it, Express's
+ * ends (then the policy's `outcome_unknown` decides). Without it, Express's
  * own 500 is an ordinary 5xx answer: not stored, and the retry runs again.
  */
 export function idempotencyErrors() {

@@ -107,13 +107,13 @@ export function instantiateEngine(component, { store, clock, results }) {
   const c = { now: () => BigInt(clock.now()), pause: (d) => clock.pause(d) };
   const r = { findResult: guard("find-result", (k) => results.findResult(k) ?? undefined) };
   const imports = {
-    "idem:engine/store": s, "idem:engine/store@0.1.0": s,
-    "idem:engine/clock": c, "idem:engine/clock@0.1.0": c,
-    "idem:engine/results": r, "idem:engine/results@0.1.0": r,
-    "idem:engine/types": {}, "idem:engine/types@0.1.0": {},
+    "idem:engine/store": s, "idem:engine/store@0.2.0": s,
+    "idem:engine/clock": c, "idem:engine/clock@0.2.0": c,
+    "idem:engine/results": r, "idem:engine/results@0.2.0": r,
+    "idem:engine/types": {}, "idem:engine/types@0.2.0": {},
   };
   const exports = component.instantiate(component.getCoreModule, imports);
-  return exports.engine ?? exports["idem:engine/engine@0.1.0"];
+  return exports.engine ?? exports["idem:engine/engine@0.2.0"];
 }
 
 // ------------------------------------------------------------ policy
@@ -124,6 +124,7 @@ export const DEFAULT_POLICY = Object.freeze({
   lease_ms: 60_000,
   retry_after_ms: 1_000,
   expired_lease: "take-over",
+  outcome_unknown: "manual",
   failure_mode: "honor-disposition",
   in_progress: "reject",
   fingerprint_fields: [],
@@ -134,6 +135,7 @@ export const DEFAULT_POLICY = Object.freeze({
 const POLICY_FIELDS = new Set(Object.keys(DEFAULT_POLICY));
 const ENUMS = {
   expired_lease: ["take-over", "reconcile", "manual"],
+  outcome_unknown: ["take-over", "reconcile", "manual"],
   failure_mode: ["honor-disposition", "always-final"],
   charset: ["printable-ascii", "uuid", "token"],
 };
@@ -191,6 +193,7 @@ export function toWitPolicy(policy = {}) {
     leaseMs: uint("lease_ms", p.lease_ms, U64),
     retryAfterMs: uint("retry_after_ms", p.retry_after_ms, U64),
     expiredLease: oneOf("expired_lease", p.expired_lease, ENUMS.expired_lease),
+    outcomeUnknown: oneOf("outcome_unknown", p.outcome_unknown, ENUMS.outcome_unknown),
     failureMode: oneOf("failure_mode", p.failure_mode, ENUMS.failure_mode),
     inProgress,
     fingerprintFields: [...p.fingerprint_fields],

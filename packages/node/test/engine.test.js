@@ -105,6 +105,20 @@ test("outcome-unknown blocks the key while the lease lasts; manual keeps it bloc
   assert.equal(idem.begin({ ...key("k"), body: {}, policy }).decision, "outcome-unknown");
 });
 
+test("outcome-unknown stays blocked by default even where expired leases are taken over", () => {
+  const { idem, clock } = setup();
+  const policy = { lease_ms: 1000 };
+  const a = idem.begin({ ...key("k"), body: {}, policy });
+  idem.fail(a.ticket, policy, { code: "timeout" }, "outcome-unknown");
+  const crashed = idem.begin({ ...key("crashed"), body: {}, policy });
+  assert.equal(crashed.decision, "execute");
+  clock.advance(5000);
+  assert.equal(idem.begin({ ...key("crashed"), body: {}, policy }).decision, "execute");
+  assert.equal(idem.begin({ ...key("k"), body: {}, policy }).decision, "outcome-unknown");
+  const retried = { ...policy, outcome_unknown: "take-over" };
+  assert.equal(idem.begin({ ...key("k"), body: {}, policy: retried }).decision, "execute");
+});
+
 test("reconcile asks the business side and settles the key", () => {
   const found = new Map([["k", "order-77"]]);
   const { idem, clock } = setup({ results: { findResult: (k) => found.get(k.idemKey) } });

@@ -74,6 +74,18 @@ def test_outcome_unknown_manual(env):
     assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "outcome-unknown"
 
 
+def test_outcome_unknown_stays_blocked_by_default_where_expired_leases_are_taken_over(env):
+    policy = {"lease_ms": 1000}
+    a = env.idem.begin(S, B, "k", body={}, policy=policy)
+    env.idem.fail(a.ticket, policy, code="timeout", disposition="outcome-unknown")
+    assert env.idem.begin(S, B, "crashed", body={}, policy=policy).decision == "execute"
+    env.clock.advance(5000)
+    assert env.idem.begin(S, B, "crashed", body={}, policy=policy).decision == "execute"
+    assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "outcome-unknown"
+    retried = dict(policy, outcome_unknown="take-over")
+    assert env.idem.begin(S, B, "k", body={}, policy=retried).decision == "execute"
+
+
 def test_reconcile(make_env):
     class Results:
         def find_result(self, key):

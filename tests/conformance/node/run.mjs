@@ -293,7 +293,7 @@ const failure = (v) => ({ code: str(v.code), message: v.message === undefined ? 
 
 const DEFAULT_POLICY = {
   "retention-ms": 3600000, "lease-ms": 30000, "retry-after-ms": 1000, "expired-lease": "take-over",
-  "failure-mode": "honor-disposition", "in-progress": "reject", "fingerprint-fields": [],
+  "outcome-unknown": "manual", "failure-mode": "honor-disposition", "in-progress": "reject", "fingerprint-fields": [],
   "key-format": { "min-length": 1, "max-length": 255, "charset": "printable-ascii" }, "max-body-bytes": 1048576,
 };
 
@@ -313,6 +313,7 @@ function policy(p) {
     leaseMs: BigInt(p["lease-ms"]),
     retryAfterMs: BigInt(p["retry-after-ms"]),
     expiredLease: p["expired-lease"],
+    outcomeUnknown: p["outcome-unknown"],
     failureMode: p["failure-mode"],
     inProgress: ip === "reject" ? { tag: "reject" }
       : { tag: "wait", val: { maxWaitMs: BigInt(ip.wait["max-wait-ms"]), pollIntervalMs: BigInt(ip.wait["poll-interval-ms"]) } },

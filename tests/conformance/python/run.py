@@ -351,7 +351,7 @@ def failure(v):
 
 DEFAULT_POLICY = {
     "retention-ms": 3600000, "lease-ms": 30000, "retry-after-ms": 1000, "expired-lease": "take-over",
-    "failure-mode": "honor-disposition", "in-progress": "reject", "fingerprint-fields": [],
+    "outcome-unknown": "manual", "failure-mode": "honor-disposition", "in-progress": "reject", "fingerprint-fields": [],
     "key-format": {"min-length": 1, "max-length": 255, "charset": "printable-ascii"}, "max-body-bytes": 1048576,
 }
 
@@ -375,6 +375,7 @@ def policy(p):
         lease_ms=p["lease-ms"],
         retry_after_ms=p["retry-after-ms"],
         expired_lease=p["expired-lease"],
+        outcome_unknown=p["outcome-unknown"],
         failure_mode=p["failure-mode"],
         # in-progress-mode is untagged in wasmtime-py: None is `reject`, a record is `wait`.
         in_progress=None if ip == "reject" else record(

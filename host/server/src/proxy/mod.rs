@@ -118,7 +118,7 @@ impl Proxy {
         let layer = IdempotencyLayer::new(engine, config)?;
         for biz_type in layer.reconciling_biz_types() {
             tracing::warn!(
-                "biz type '{biz_type}' uses expired_lease = \"reconcile\", but the proxy has no business lookup: a key whose lease expires stays blocked (answered 503) until an operator settles it; \"manual\" says so with 409 outcome-unknown"
+                "biz type '{biz_type}' uses \"reconcile\" for expired_lease or outcome_unknown, but the proxy has no business lookup: a key whose lease expires stays blocked (answered 503) until an operator settles it; \"manual\" says so with 409 outcome-unknown"
             );
         }
         let upstream = Upstream::new(&upstream, timeout).map_err(ProxyError::Upstream)?;

@@ -22,7 +22,7 @@ from wasmtime import _ffi as ffi
 from wasmtime.component import Component, Linker, Record, Variant
 from wasmtime.component._types import ListType, ResultType
 
-PACKAGE = "idem:engine/{}@0.1.0"
+PACKAGE = "idem:engine/{}@0.2.0"
 # The largest integer a SQL column holds.
 I64_MAX = (1 << 63) - 1
 
@@ -800,6 +800,7 @@ DEFAULT_POLICY: dict[str, Any] = {
     "lease_ms": 60_000,
     "retry_after_ms": 1_000,
     "expired_lease": "take-over",
+    "outcome_unknown": "manual",
     "failure_mode": "honor-disposition",
     "in_progress": "reject",
     "fingerprint_fields": [],
@@ -810,6 +811,7 @@ DEFAULT_POLICY: dict[str, Any] = {
 
 _ENUMS = {
     "expired_lease": ("take-over", "reconcile", "manual"),
+    "outcome_unknown": ("take-over", "reconcile", "manual"),
     "failure_mode": ("honor-disposition", "always-final"),
     "charset": ("printable-ascii", "uuid", "token"),
 }
@@ -868,6 +870,7 @@ def wit_policy(policy: dict[str, Any] | None) -> Record:
         lease_ms=_uint("lease_ms", p["lease_ms"], _U64),
         retry_after_ms=_uint("retry_after_ms", p["retry_after_ms"], _U64),
         expired_lease=_one_of("expired_lease", p["expired_lease"], _ENUMS["expired_lease"]),
+        outcome_unknown=_one_of("outcome_unknown", p["outcome_unknown"], _ENUMS["outcome_unknown"]),
         failure_mode=_one_of("failure_mode", p["failure_mode"], _ENUMS["failure_mode"]),
         in_progress=in_progress,
         fingerprint_fields=list(ff),
