@@ -24,9 +24,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use common::{PgSchema, T0, key, request, unique_name};
+use idem::postgres::RunInTransaction as PgRun;
 use idem::{
-    BeginRequest, Completion, Decision, Engine, Error, ManualClock, MemoryStore, PostgresOptions,
-    PostgresStore, StoreError, Success,
+    ActionResult, BeginRequest, Completion, Decision, Disposition, Engine, Error, ExpiredLease,
+    Failure, ManualClock, MemoryStore, Policy, PostgresOptions, PostgresStore, RunOutcome, Status,
+    StoreError, Success,
 };
 use serve::{Proxy, Resp, Serve};
 use upstream::Upstream;
@@ -518,5 +520,218 @@ fn a_lost_connection_during_begin_is_an_error_never_a_new_key() -> Result<()> {
         }
     }
     ensure!(executions == 1);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Business transactions (the seed's step 4): the business rows and the
+// record's transition commit together, through the real component.
+
+/// The schema's business table: no unique constraint, so a second execution
+/// would be a second row.
+fn orders_table(schema: &PgSchema) -> Result<String> {
+    let table = format!("\"{}\".orders", schema.name);
+    schema.raw()?.batch_execute(&format!(
+        "CREATE TABLE IF NOT EXISTS {table} (idem_key TEXT NOT NULL, worker TEXT NOT NULL)"
+    ))?;
+    Ok(table)
+}
+
+fn orders_of(schema: &PgSchema, table: &str, k: &str) -> Result<i64> {
+    Ok(schema
+        .raw()?
+        .query_one(
+            &format!("SELECT COUNT(*) FROM {table} WHERE idem_key = $1"),
+            &[&k],
+        )?
+        .get(0))
+}
+
+/// Runs `req` in a business transaction that writes one order row, calling
+/// `meanwhile` after the write and before the action returns `result`.
+fn run_order(
+    engine: &Engine,
+    table: &str,
+    req: &BeginRequest,
+    meanwhile: impl FnOnce(),
+    result: ActionResult,
+) -> Result<RunOutcome> {
+    let insert = format!("INSERT INTO {table} (idem_key, worker) VALUES ($1, 'test')");
+    Ok(PgRun::run_in_transaction(engine, req, |_, client| {
+        if let Err(e) = client.execute(&insert, &[&req.key.idem_key]) {
+            return ActionResult::retryable("db", e);
+        }
+        meanwhile();
+        result
+    })?)
+}
+
+#[test]
+fn run_in_transaction_commits_the_business_row_with_the_record_once() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let (engine, _store, _clock) = engine_on(&schema, &unique_name("idem_tx"))?;
+    let table = orders_table(&schema)?;
+    let req = request("k1", BODY);
+    let ok = || ActionResult::Succeeded(Success::with_ref("order-1"));
+    let first = run_order(&engine, &table, &req, || {}, ok())?;
+    ensure!(matches!(first, RunOutcome::Executed { .. }), "{first:?}");
+    let again = run_order(&engine, &table, &req, || {}, ok())?;
+    match again {
+        RunOutcome::NotExecuted(Decision::Replay(r)) => {
+            ensure!(r.result_ref.as_deref() == Some("order-1"), "{r:?}")
+        }
+        other => bail!("expected a replay, got {other:?}"),
+    }
+    ensure!(orders_of(&schema, &table, "k1")? == 1, "one business row");
+    Ok(())
+}
+
+#[test]
+fn run_in_transaction_rolls_back_the_business_row_when_ownership_was_lost() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let (engine, _store, _clock) = engine_on(&schema, &unique_name("idem_tx_a"))?;
+    let (other, _other_store, other_clock) = engine_on(&schema, &unique_name("idem_tx_b"))?;
+    let table = orders_table(&schema)?;
+    let req = request("k1", BODY);
+    // While the first owner's action runs, its lease ends on another host,
+    // which takes the key over (fencing token 2).
+    other_clock.set(T0 + req.policy.lease_ms);
+    let mut taken_over = None;
+    let outcome = run_order(
+        &engine,
+        &table,
+        &req,
+        || taken_over = Some(other.begin(&req)),
+        ActionResult::Succeeded(Success::with_ref("order-1")),
+    )?;
+    match taken_over {
+        Some(Ok(Decision::Execute(t))) => ensure!(t.fencing_token == 2, "{t:?}"),
+        other => bail!("the other host did not take the key over: {other:?}"),
+    }
+    ensure!(
+        matches!(outcome, RunOutcome::LostOwnership { .. }),
+        "{outcome:?}"
+    );
+    ensure!(
+        orders_of(&schema, &table, "k1")? == 0,
+        "the fenced-off owner's business row was rolled back"
+    );
+    let s = engine.inspect(&key("k1"))?.context("record")?;
+    ensure!(
+        s.status == Status::Processing && s.fencing_token == 2,
+        "{s:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn run_in_transaction_rolls_back_a_failed_action_and_stores_the_failure() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let (engine, _store, _clock) = engine_on(&schema, &unique_name("idem_tx"))?;
+    let table = orders_table(&schema)?;
+    let req = request("k1", BODY);
+    let declined = Failure {
+        code: "card-declined".into(),
+        message: "the card was declined".into(),
+        response: None,
+    };
+    let outcome = run_order(
+        &engine,
+        &table,
+        &req,
+        || {},
+        ActionResult::Failed(declined.clone(), Disposition::Final),
+    )?;
+    ensure!(
+        matches!(outcome, RunOutcome::Executed { .. }),
+        "{outcome:?}"
+    );
+    ensure!(
+        orders_of(&schema, &table, "k1")? == 0,
+        "the write rolled back"
+    );
+    match engine.begin(&req)? {
+        Decision::Failed(f) => ensure!(f == declined, "{f:?}"),
+        other => bail!("expected the stored failure, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn killed_inside_a_postgres_business_transaction_leaves_no_business_row() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    // The worker's store creates the schema; the business table goes in it.
+    let (survivor, _store, clock) = engine_on(&schema, &unique_name("idem_survivor"))?;
+    let table = orders_table(&schema)?;
+    let app = unique_name("idem_worker");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idem-test-worker"))
+        .args([
+            "hold-pg",
+            &schema.url_with("application_name", &app),
+            &schema.name,
+            "k1",
+            &T0.to_string(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().context("stdout")?),
+        &mut line,
+    )?;
+    ensure!(line.trim() == "holding true", "worker said {line:?}");
+    // The worker's transaction is open, its business row written in it.
+    let open = "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 \
+                AND state LIKE 'idle in transaction%'";
+    let mut admin = schema.raw()?;
+    let open_now = |admin: &mut postgres::Client| -> Result<i64> {
+        Ok(admin.query_one(open, &[&app])?.get(0))
+    };
+    ensure!(
+        open_now(&mut admin)? == 1,
+        "the worker holds no open transaction"
+    );
+    child.kill()?; // SIGKILL, inside the transaction
+    child.wait()?;
+    // The server rolls the transaction back when the connection closes.
+    let deadline = Instant::now() + SETTLE;
+    while open_now(&mut admin)? != 0 {
+        ensure!(
+            Instant::now() < deadline,
+            "the killed worker's transaction stayed open"
+        );
+        std::thread::yield_now();
+    }
+    ensure!(orders_of(&schema, &table, "k1")? == 0);
+    // The claim itself was committed before the action: the key is in
+    // progress until its lease ends, then the policy decides.
+    let policy = Policy::default();
+    let req = BeginRequest::json(key("k1"), "{}", policy.clone());
+    ensure!(matches!(survivor.begin(&req)?, Decision::InProgress(_)));
+    clock.set(T0 + policy.lease_ms);
+    let manual = BeginRequest::json(
+        key("k1"),
+        "{}",
+        Policy {
+            expired_lease: ExpiredLease::Manual,
+            ..policy.clone()
+        },
+    );
+    ensure!(matches!(
+        survivor.begin(&manual)?,
+        Decision::OutcomeUnknown(_)
+    ));
+    match survivor.begin(&req)? {
+        Decision::Execute(t) => ensure!(t.fencing_token == 2 && t.attempt == 2, "{t:?}"),
+        other => bail!("expected a take-over, got {other:?}"),
+    }
     Ok(())
 }

@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `idem-engine` | the engine component on Wasmtime, the [`Storage`] contract, the memory store, the conformance suite (`testing`) | the crate root, [`engine`], [`store`] |
 //! | `idem-sqlite` | the SQLite backend and business transactions ([`RunInTransaction`]) | [`SqliteStore`] |
-//! | `idem-postgres` | the PostgreSQL backend | [`PostgresStore`] (feature `postgres`) |
+//! | `idem-postgres` | the PostgreSQL backend and its business transactions | [`PostgresStore`], [`postgres`] (feature `postgres`) |
 //! | `idem-layer` | the tower layer: HTTP rules, routes, problems, metrics | [`layer`] |
 //! | `idem-server` | `idem serve` (the layer over a forwarding client) and `idem serve-component` | [`proxy`], [`middleware`] |
 //!
@@ -54,6 +54,13 @@ pub use idem_engine::{api, bounds, clock, embed, engine, types};
 pub use idem_layer as layer;
 #[cfg(feature = "postgres")]
 pub use idem_postgres::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
+/// Business transactions on PostgreSQL: `use idem::postgres::RunInTransaction`
+/// for [`Engine::run_in_transaction`](idem_postgres::RunInTransaction) on a
+/// [`PostgresStore`] (the crate-level [`RunInTransaction`] is SQLite's).
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    pub use idem_postgres::{PostgresTransaction, RunInTransaction};
+}
 pub use idem_sqlite::{RunInTransaction, SqliteOptions, SqliteStore};
 
 /// Storage: the contract and the memory store (`idem-engine`), and the
@@ -61,6 +68,8 @@ pub use idem_sqlite::{RunInTransaction, SqliteOptions, SqliteStore};
 pub mod store {
     pub use idem_engine::store::*;
     #[cfg(feature = "postgres")]
-    pub use idem_postgres::{DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore};
+    pub use idem_postgres::{
+        DEFAULT_CHECK_AFTER_IDLE, PostgresOptions, PostgresStore, PostgresTransaction,
+    };
     pub use idem_sqlite::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous};
 }

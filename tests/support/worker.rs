@@ -10,6 +10,10 @@
 //!                      "holding", block (the crash between business write and status update)
 //!     mode = in-tx:    claim, write the business row inside the business transaction,
 //!                      print "holding", block before it commits
+//! idem-test-worker hold-pg <url> <schema> <key> <now>
+//!     claim the key on PostgreSQL (the store's schema), write a row into
+//!     <schema>.orders inside the business transaction (`run_in_transaction`),
+//!     print "holding true", block before it commits
 //! idem-test-worker crash <db> <now> <seed>
 //!     print "ready", then run random operations over 8 keys forever, printing
 //!     "op N" after each: business actions in the business transaction
@@ -140,10 +144,34 @@ fn main() -> Result<()> {
                 other => bail!("unknown mode {other}"),
             }
         }
+        ["hold-pg", url, schema, k, now] => {
+            let store = idem::PostgresStore::connect(
+                url,
+                idem::PostgresOptions {
+                    schema: (*schema).to_owned(),
+                    pool_size: 1,
+                    ..idem::PostgresOptions::default()
+                },
+            )?;
+            let engine = Engine::builder()
+                .storage(store)
+                .clock(ManualClock::new(now.parse().context("now")?))
+                .build()?;
+            let req = BeginRequest::json(key(k), "{}", Policy::default());
+            let insert =
+                format!("INSERT INTO \"{schema}\".orders (idem_key, worker) VALUES ($1, $2)");
+            idem::postgres::RunInTransaction::run_in_transaction(&engine, &req, |_, client| {
+                let wrote = client.execute(&insert, &[k, &me]);
+                println!("holding {}", wrote.is_ok());
+                let _ = std::io::stdout().flush();
+                block_forever();
+            })?;
+        }
         ["crash", db, now, seed] => crash(db, now.parse().context("now")?, seed.parse()?)?,
         ["crash-zygote"] => zygote()?,
         _ => bail!(
             "usage: idem-test-worker race <db> <keys> | hold <db> <key> <now> <mode> \
+             | hold-pg <url> <schema> <key> <now> \
              | crash <db> <now> <seed> | crash-zygote"
         ),
     }

@@ -37,11 +37,15 @@ use std::time::{Duration, Instant};
 use postgres::types::{FromSqlOwned, ToSql};
 use postgres::{Client, NoTls, Statement};
 
-use idem_engine::store::sql::{self as columns, parse_status, saturate, to_json, to_u32, to_u64};
+use idem_engine::store::sql::{
+    self as columns, TransactionSlot, parse_status, saturate, to_json, to_u32, to_u64,
+};
 use idem_engine::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
 };
-use idem_engine::{Storage, StoreError};
+use idem_engine::{
+    ActionResult, BeginRequest, Engine, Error, RunOutcome, Storage, StoreError, Ticket, Transaction,
+};
 
 /// The table that records which migrations a schema has had.
 const VERSION_TABLE: &str = "idem_schema_version";
@@ -404,6 +408,10 @@ struct PgConnection {
     returned_at: Option<Instant>,
     /// Whether the last operation on the connection succeeded.
     healthy: bool,
+    /// Whether a business transaction is open on the connection: set by
+    /// `BEGIN`, cleared once `COMMIT` or `ROLLBACK` succeeded. A connection
+    /// still inside one never goes back to the pool.
+    in_transaction: bool,
 }
 
 impl fmt::Debug for PgConnection {
@@ -438,6 +446,7 @@ impl ConnectionManager {
             prepared,
             returned_at: None,
             healthy: true,
+            in_transaction: false,
         })
     }
 }
@@ -462,12 +471,13 @@ impl r2d2::ManageConnection for ConnectionManager {
         conn.client.simple_query("").map(|_| ())
     }
 
-    /// A connection whose socket the client saw close is discarded on its
-    /// way back to the pool; every other one notes when it came back, if
-    /// its last operation succeeded.
+    /// A connection whose socket the client saw close, or that is still
+    /// inside a business transaction (its rollback failed), is discarded on
+    /// its way back to the pool: the server rolls back what it held. Every
+    /// other one notes when it came back, if its last operation succeeded.
     fn has_broken(&self, conn: &mut PgConnection) -> bool {
         conn.returned_at = conn.healthy.then(Instant::now);
-        conn.client.is_closed()
+        conn.client.is_closed() || conn.in_transaction
     }
 }
 
@@ -569,6 +579,28 @@ impl PostgresStore {
         &self.inner.schema
     }
 
+    /// Starts a business transaction (`BEGIN`) on a pooled connection.
+    ///
+    /// The returned [`PostgresTransaction`] implements [`Storage`] inside
+    /// the transaction and lets business code write through
+    /// [`PostgresTransaction::with_connection`], so that both commit or roll
+    /// back together. Rows it changes stay locked until it ends: a request
+    /// for the same key reads the record as it was (in progress) meanwhile.
+    ///
+    /// Errors: as any operation ([`StoreError::Unavailable`] when no
+    /// connection or no server answers).
+    pub fn begin_transaction(&self) -> Result<PostgresTransaction, StoreError> {
+        let mut conn = self.inner.pool.get().map_err(map_pool_err)?;
+        conn.in_transaction = true;
+        if let Err(e) = conn.client.batch_execute("BEGIN") {
+            conn.healthy = false;
+            return Err(map_err(e));
+        }
+        Ok(PostgresTransaction {
+            conn: TransactionSlot::new(conn),
+        })
+    }
+
     /// Runs one operation on a pooled connection.
     fn with<R>(
         &self,
@@ -583,122 +615,318 @@ impl PostgresStore {
     }
 }
 
-impl Storage for PostgresStore {
-    fn insert_if_absent(&self, candidate: &StoredRecord) -> Result<InsertOutcome, StoreError> {
-        let row = EncodedRecord::new(candidate)?;
-        self.with(|c| {
-            for _ in 0..INSERT_ATTEMPTS {
-                let inserted = c
-                    .client
-                    .query_opt(&c.prepared.insert, &row.params())
-                    .map_err(map_err)?;
-                if let Some(r) = inserted {
-                    let mut inserted = candidate.clone();
-                    inserted.id = to_u64(column(&r, 0)?, "id")?;
-                    return Ok(InsertOutcome::Inserted(inserted));
-                }
-                // The conflicting row is committed (a conflicting insert
-                // waits for its inserter), so this statement sees it unless
-                // it was deleted since; then the insert is tried again.
-                if let Some(existing) = get(c, &candidate.key)? {
-                    return Ok(InsertOutcome::Existing(existing));
-                }
+/// The [`Storage`] operations of `$type`, each run on a connection by its
+/// method `$on`: in autocommit mode (`PostgresStore::with`) or inside a
+/// business transaction (`PostgresTransaction::run`).
+macro_rules! storage_over {
+    ($type:ty, $on:ident) => {
+        impl Storage for $type {
+            fn insert_if_absent(
+                &self,
+                candidate: &StoredRecord,
+            ) -> Result<InsertOutcome, StoreError> {
+                let row = EncodedRecord::new(candidate)?;
+                self.$on(|c| insert_if_absent(c, candidate, &row))
             }
-            Err(StoreError::Unavailable(format!(
-                "the key's record was deleted and re-created {INSERT_ATTEMPTS} times while \
-                 it was being inserted; try again"
-            )))
-        })
-    }
 
-    fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
-        self.with(|c| get(c, key))
-    }
-
-    fn compare_and_swap(
-        &self,
-        expected_revision: u64,
-        replacement: &StoredRecord,
-    ) -> Result<SwapOutcome, StoreError> {
-        let row = EncodedRecord::new(replacement)?;
-        self.with(|c| {
-            // A revision or id the column cannot hold is not stored:
-            // nothing matches it.
-            if let (Ok(expected), Ok(id)) = (
-                i64::try_from(expected_revision),
-                i64::try_from(replacement.id),
-            ) {
-                let mut params = row.params();
-                params.push(&expected);
-                params.push(&id);
-                let changed = c
-                    .client
-                    .execute(&c.prepared.swap, &params)
-                    .map_err(map_err)?;
-                if changed > 0 {
-                    return Ok(SwapOutcome::Swapped);
-                }
+            fn get(&self, key: &RecordKey) -> Result<Option<StoredRecord>, StoreError> {
+                self.$on(|c| get(c, key))
             }
-            Ok(SwapOutcome::Stale(get(c, &replacement.key)?))
-        })
-    }
 
-    fn delete_expired(&self, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
-        self.with(|c| {
-            let deleted = c
-                .client
-                .execute(
-                    &c.prepared.delete_expired,
-                    &[&saturate(now), &i64::from(limit)],
-                )
-                .map_err(map_err)?;
-            u32::try_from(deleted).map_err(|_| {
-                StoreError::Internal(format!("deleted {deleted} rows, more than the limit"))
-            })
-        })
-    }
+            fn compare_and_swap(
+                &self,
+                expected_revision: u64,
+                replacement: &StoredRecord,
+            ) -> Result<SwapOutcome, StoreError> {
+                let row = EncodedRecord::new(replacement)?;
+                self.$on(|c| compare_and_swap(c, expected_revision, replacement, &row))
+            }
 
-    fn list_stale(
-        &self,
-        biz_type: &str,
-        now: Timestamp,
-        limit: u32,
-    ) -> Result<Vec<StoredRecord>, StoreError> {
-        // No stored biz type holds a NUL character (PostgreSQL text cannot).
-        if biz_type.contains('\0') {
-            return Ok(Vec::new());
+            fn delete_expired(&self, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
+                self.$on(|c| delete_expired(c, now, limit))
+            }
+
+            fn list_stale(
+                &self,
+                biz_type: &str,
+                now: Timestamp,
+                limit: u32,
+            ) -> Result<Vec<StoredRecord>, StoreError> {
+                self.$on(|c| list_stale(c, biz_type, now, limit))
+            }
+
+            fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
+                self.$on(count_by_status)
+            }
         }
-        self.with(|c| {
-            let rows = c
-                .client
-                .query(
-                    &c.prepared.list_stale,
-                    &[&biz_type, &saturate(now), &i64::from(limit)],
-                )
-                .map_err(map_err)?;
-            rows.iter().map(decode_row).collect()
-        })
+    };
+}
+
+storage_over!(PostgresStore, with);
+
+// ---------------------------------------------------------------------------
+// The operations, each written once over a connection: in autocommit mode
+// (PostgresStore) or inside an open business transaction
+// (PostgresTransaction).
+
+fn insert_if_absent(
+    c: &mut PgConnection,
+    candidate: &StoredRecord,
+    row: &EncodedRecord<'_>,
+) -> Result<InsertOutcome, StoreError> {
+    for _ in 0..INSERT_ATTEMPTS {
+        let inserted = c
+            .client
+            .query_opt(&c.prepared.insert, &row.params())
+            .map_err(map_err)?;
+        if let Some(r) = inserted {
+            let mut inserted = candidate.clone();
+            inserted.id = to_u64(column(&r, 0)?, "id")?;
+            return Ok(InsertOutcome::Inserted(inserted));
+        }
+        // The conflicting row is committed (a conflicting insert waits for
+        // its inserter), so this statement sees it unless it was deleted
+        // since; then the insert is tried again.
+        if let Some(existing) = get(c, &candidate.key)? {
+            return Ok(InsertOutcome::Existing(existing));
+        }
+    }
+    Err(StoreError::Unavailable(format!(
+        "the key's record was deleted and re-created {INSERT_ATTEMPTS} times while it was \
+         being inserted; try again"
+    )))
+}
+
+fn compare_and_swap(
+    c: &mut PgConnection,
+    expected_revision: u64,
+    replacement: &StoredRecord,
+    row: &EncodedRecord<'_>,
+) -> Result<SwapOutcome, StoreError> {
+    // A revision or id the column cannot hold is not stored: nothing
+    // matches it.
+    if let (Ok(expected), Ok(id)) = (
+        i64::try_from(expected_revision),
+        i64::try_from(replacement.id),
+    ) {
+        let mut params = row.params();
+        params.push(&expected);
+        params.push(&id);
+        let changed = c
+            .client
+            .execute(&c.prepared.swap, &params)
+            .map_err(map_err)?;
+        if changed > 0 {
+            return Ok(SwapOutcome::Swapped);
+        }
+    }
+    Ok(SwapOutcome::Stale(get(c, &replacement.key)?))
+}
+
+fn delete_expired(c: &mut PgConnection, now: Timestamp, limit: u32) -> Result<u32, StoreError> {
+    let deleted = c
+        .client
+        .execute(
+            &c.prepared.delete_expired,
+            &[&saturate(now), &i64::from(limit)],
+        )
+        .map_err(map_err)?;
+    u32::try_from(deleted)
+        .map_err(|_| StoreError::Internal(format!("deleted {deleted} rows, more than the limit")))
+}
+
+fn list_stale(
+    c: &mut PgConnection,
+    biz_type: &str,
+    now: Timestamp,
+    limit: u32,
+) -> Result<Vec<StoredRecord>, StoreError> {
+    // No stored biz type holds a NUL character (PostgreSQL text cannot).
+    if biz_type.contains('\0') {
+        return Ok(Vec::new());
+    }
+    let rows = c
+        .client
+        .query(
+            &c.prepared.list_stale,
+            &[&biz_type, &saturate(now), &i64::from(limit)],
+        )
+        .map_err(map_err)?;
+    rows.iter().map(decode_row).collect()
+}
+
+fn count_by_status(c: &mut PgConnection) -> Result<Vec<(Status, u64)>, StoreError> {
+    let rows = c
+        .client
+        .query(&c.prepared.count_by_status, &[])
+        .map_err(map_err)?;
+    let mut counts = Status::ALL.map(|status| (status, 0u64));
+    for row in &rows {
+        let name: String = column(row, 0)?;
+        let count: i64 = column(row, 1)?;
+        let status = parse_status(&name)?;
+        let slot = counts
+            .iter_mut()
+            .find(|(s, _)| *s == status)
+            .ok_or_else(|| StoreError::Internal(format!("status {name} is not counted")))?;
+        slot.1 = to_u64(count, "count")?;
+    }
+    Ok(counts.to_vec())
+}
+
+// ---------------------------------------------------------------------------
+// Business transactions.
+
+type PooledConnection = r2d2::PooledConnection<ConnectionManager>;
+
+/// A business transaction on one pooled connection, opened by
+/// [`PostgresStore::begin_transaction`]: the record's transitions and the
+/// business writes made through [`PostgresTransaction::with_connection`]
+/// commit together or not at all.
+///
+/// Dropped without [`PostgresTransaction::commit`], it rolls back. If the
+/// process dies, the server rolls it back when the connection closes.
+pub struct PostgresTransaction {
+    conn: TransactionSlot<PooledConnection>,
+}
+
+impl fmt::Debug for PostgresTransaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresTransaction")
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresTransaction {
+    /// Runs `f` on the transaction's connection, e.g. a business write that
+    /// must commit together with the record's transition.
+    ///
+    /// `f` must not end the transaction itself (`COMMIT`, `ROLLBACK`, or
+    /// `Client::transaction`, which would commit it). A statement that
+    /// fails inside `f` aborts the transaction on the server: every later
+    /// statement fails and [`PostgresTransaction::commit`] refuses.
+    /// Fails with [`StoreError::Internal`], without calling `f`, once the
+    /// transaction has ended.
+    pub fn with_connection<R>(&self, f: impl FnOnce(&mut Client) -> R) -> Result<R, StoreError> {
+        self.run(|c| Ok(f(&mut c.client)))
     }
 
-    fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
-        self.with(|c| {
-            let rows = c
-                .client
-                .query(&c.prepared.count_by_status, &[])
-                .map_err(map_err)?;
-            let mut counts = Status::ALL.map(|status| (status, 0u64));
-            for row in &rows {
-                let name: String = column(row, 0)?;
-                let count: i64 = column(row, 1)?;
-                let status = parse_status(&name)?;
-                let slot = counts
-                    .iter_mut()
-                    .find(|(s, _)| *s == status)
-                    .ok_or_else(|| StoreError::Internal(format!("status {name} is not counted")))?;
-                slot.1 = to_u64(count, "count")?;
-            }
-            Ok(counts.to_vec())
+    /// Commits every write made in the transaction.
+    ///
+    /// A transaction that a failed statement aborted is rolled back and
+    /// refused with [`StoreError::Internal`] (PostgreSQL answers `COMMIT`
+    /// of an aborted transaction with a rollback, not an error, so it is
+    /// checked first). A lost connection is [`StoreError::Unavailable`]: the
+    /// commit may or may not have happened, as for any write.
+    pub fn commit(self) -> Result<(), StoreError> {
+        let mut conn = self.conn.take_for_commit()?;
+        if let Err(e) = conn.client.batch_execute("SELECT 1") {
+            let refused = StoreError::Internal(format!(
+                "the transaction was aborted by an earlier failed statement; nothing was \
+                 committed: {}",
+                map_err(e)
+            ));
+            end(&mut conn, "ROLLBACK")?;
+            return Err(refused);
+        }
+        end(&mut conn, "COMMIT")
+    }
+
+    /// Rolls back every write made in the transaction.
+    pub fn rollback(self) -> Result<(), StoreError> {
+        match self.conn.take_for_rollback() {
+            Some(mut conn) => end(&mut conn, "ROLLBACK"),
+            None => Ok(()),
+        }
+    }
+
+    fn run<R>(
+        &self,
+        op: impl FnOnce(&mut PgConnection) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        self.conn.run(|conn| {
+            let out = op(conn);
+            conn.healthy = out.is_ok();
+            out
         })
+    }
+}
+
+/// Ends the transaction on `conn` with `COMMIT` or `ROLLBACK`. On failure
+/// the connection stays marked as inside a transaction, so the pool
+/// discards it and the server rolls back whatever is left.
+fn end(conn: &mut PooledConnection, statement: &str) -> Result<(), StoreError> {
+    match conn.client.batch_execute(statement) {
+        Ok(()) => {
+            conn.in_transaction = false;
+            Ok(())
+        }
+        Err(e) => {
+            conn.healthy = false;
+            Err(map_err(e))
+        }
+    }
+}
+
+impl Drop for PostgresTransaction {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.conn.take_for_rollback()
+            && let Err(e) = end(&mut conn, "ROLLBACK")
+        {
+            // The pool discards the connection; the server rolls back.
+            tracing::warn!(error = %e, "rollback of a dropped PostgreSQL transaction failed");
+        }
+    }
+}
+
+impl Transaction for PostgresTransaction {
+    fn commit(self) -> Result<(), StoreError> {
+        PostgresTransaction::commit(self)
+    }
+
+    fn rollback(self) -> Result<(), StoreError> {
+        PostgresTransaction::rollback(self)
+    }
+}
+
+storage_over!(PostgresTransaction, run);
+
+/// The business action and the transition to succeeded in one PostgreSQL
+/// transaction, for an [`Engine`] built on a [`PostgresStore`].
+pub trait RunInTransaction {
+    /// Like [`Engine::run`], with the action's writes (through the
+    /// `postgres::Client` it is given) and the transition to succeeded in
+    /// one PostgreSQL transaction ([`Engine::run_with_transaction`]):
+    /// "business written, status not updated" cannot happen. If ownership
+    /// was lost meanwhile, the action's writes are rolled back. A failed
+    /// action's writes are rolled back too, and the failure is stored as
+    /// its disposition says.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongStorage`] when the engine's storage is not a
+    /// [`PostgresStore`]; otherwise as [`Engine::run`].
+    fn run_in_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &mut Client) -> ActionResult,
+    ) -> Result<RunOutcome, Error>;
+}
+
+impl RunInTransaction for Engine {
+    fn run_in_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &mut Client) -> ActionResult,
+    ) -> Result<RunOutcome, Error> {
+        let store = self
+            .storage::<PostgresStore>()
+            .ok_or(Error::WrongStorage("a PostgresStore"))?;
+        self.run_with_transaction(
+            request,
+            || store.begin_transaction(),
+            |ticket, tx| tx.with_connection(|client| action(ticket, client)),
+        )
     }
 }
 

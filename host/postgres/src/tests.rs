@@ -29,6 +29,29 @@ mod postgres_backend {
     idem_engine::storage_conformance!(super::with_postgres);
 }
 
+/// A conformance case inside one business transaction, rolled back after:
+/// nothing it wrote is left.
+fn with_pg_transaction(case: fn(&dyn Storage)) {
+    let Some(schema) = TestSchema::new() else {
+        return;
+    };
+    let store = schema.store();
+    let tx = store.begin_transaction().expect("begin");
+    case(&tx);
+    tx.rollback().expect("rollback");
+    let total: u64 = store
+        .count_by_status()
+        .expect("count")
+        .iter()
+        .map(|c| c.1)
+        .sum();
+    assert_eq!(total, 0);
+}
+
+mod postgres_transaction_backend {
+    idem_engine::storage_conformance!(super::with_pg_transaction);
+}
+
 #[test]
 fn the_postgres_store_is_clone_send_sync_static() {
     fn check<T: Clone + Send + Sync + 'static>() {}
@@ -722,4 +745,119 @@ fn pg_delete_expired_never_deletes_a_record_revived_meanwhile() {
     assert_eq!(now.status, Status::Processing);
     assert_eq!(now.id, expired.id);
     assert_eq!(store.delete_expired(u64::MAX, 10).unwrap(), 0);
+}
+
+// ---------------------------------------------------------------------------
+// Business transactions.
+
+/// The schema's business table, as a service would have it beside the
+/// records: no unique constraint, so a second execution is a second row.
+fn orders_table(t: &TestSchema) -> String {
+    let table = format!("\"{}\".orders", t.name);
+    raw(&t.url)
+        .batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} (id TEXT NOT NULL, amount BIGINT NOT NULL)"
+        ))
+        .expect("create the business table");
+    table
+}
+
+fn order_count(t: &TestSchema, table: &str) -> i64 {
+    raw(&t.url)
+        .query_one(&format!("SELECT COUNT(*) FROM {table}"), &[])
+        .expect("count orders")
+        .get(0)
+}
+
+/// The inserted record of `k`, marked succeeded at revision 2.
+fn succeeded(r: &StoredRecord) -> StoredRecord {
+    let mut done = r.clone();
+    done.status = Status::Succeeded;
+    done.revision = 2;
+    done.result_ref = Some("o-1".to_owned());
+    done
+}
+
+#[test]
+fn pg_transaction_commit_leaves_both_writes_and_rollback_neither() {
+    let Some(t) = TestSchema::new() else { return };
+    let store = t.store();
+    let orders = orders_table(&t);
+    for commit in [false, true] {
+        let k = key(if commit { "committed" } else { "rolled-back" });
+        let r = insert(&store, &candidate(k.clone()));
+        let tx = store.begin_transaction().unwrap();
+        tx.with_connection(|c| {
+            c.execute(&format!("INSERT INTO {orders} VALUES ('o-1', 100)"), &[])
+        })
+        .unwrap()
+        .unwrap();
+        let done = succeeded(&r);
+        assert_eq!(tx.compare_and_swap(1, &done).unwrap(), SwapOutcome::Swapped);
+        // The transaction sees its own writes; nobody else does yet.
+        assert_eq!(tx.get(&k).unwrap(), Some(done.clone()));
+        assert_eq!(store.get(&k).unwrap(), Some(r.clone()));
+        let before = order_count(&t, &orders);
+        if commit {
+            tx.commit().unwrap();
+            assert_eq!(store.get(&k).unwrap(), Some(done));
+            assert_eq!(order_count(&t, &orders), before + 1);
+        } else {
+            tx.rollback().unwrap();
+            assert_eq!(store.get(&k).unwrap(), Some(r));
+            assert_eq!(order_count(&t, &orders), before);
+        }
+    }
+}
+
+#[test]
+fn pg_dropped_transaction_rolls_back_and_frees_the_connection() {
+    let Some(t) = TestSchema::new() else { return };
+    let store = PostgresStore::connect(
+        &t.url,
+        PostgresOptions {
+            pool_size: 1,
+            connect_timeout: Duration::from_secs(2),
+            ..t.options()
+        },
+    )
+    .unwrap();
+    {
+        let tx = store.begin_transaction().unwrap();
+        insert(&tx, &candidate(key("dropped")));
+    }
+    // The only connection is back, outside any transaction: this write
+    // commits by itself and the dropped one is gone.
+    assert_eq!(store.get(&key("dropped")).unwrap(), None);
+    insert(&store, &candidate(key("after")));
+    assert!(
+        raw(&t.url)
+            .query_opt(
+                &format!("SELECT 1 FROM {} WHERE idem_key = 'after'", t.table()),
+                &[]
+            )
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[test]
+fn pg_transaction_aborted_by_a_failed_statement_is_never_reported_committed() {
+    let Some(t) = TestSchema::new() else { return };
+    let store = t.store();
+    let tx = store.begin_transaction().unwrap();
+    insert(&tx, &candidate(key("k")));
+    let failed = tx
+        .with_connection(|c| c.execute("INSERT INTO no_such_table VALUES (1)", &[]))
+        .unwrap();
+    assert!(failed.is_err());
+    // Every later statement fails, and so does the commit: PostgreSQL
+    // would have answered COMMIT with a silent rollback.
+    assert!(tx.get(&key("k")).is_err());
+    let refused = tx.commit().unwrap_err();
+    assert!(
+        matches!(&refused, StoreError::Internal(m) if m.contains("aborted")),
+        "{refused:?}"
+    );
+    assert_eq!(store.get(&key("k")).unwrap(), None);
 }

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 use rusqlite::types::FromSql;
 use rusqlite::{Connection, ErrorCode, OpenFlags, ToSql, TransactionBehavior};
 
-use idem_engine::store::sql::{self as columns, parse_status, saturate, to_json, to_u32, to_u64};
+use idem_engine::store::sql::{
+    self as columns, TransactionSlot, parse_status, saturate, to_json, to_u32, to_u64,
+};
 use idem_engine::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
 };
@@ -516,7 +518,7 @@ impl SqliteStore {
         let conn = self.checkout()?;
         run_statement(&conn, SQL_BEGIN)?;
         Ok(SqliteTransaction {
-            conn: Mutex::new(Some(conn)),
+            conn: TransactionSlot::new(conn),
         })
     }
 
@@ -663,7 +665,7 @@ impl Storage for SqliteStore {
 /// until [`commit`](Self::commit). Dropping it without committing rolls
 /// back; the connection always returns to the pool outside any transaction.
 pub struct SqliteTransaction {
-    conn: Mutex<Option<PooledConnection>>,
+    conn: TransactionSlot<PooledConnection>,
 }
 
 impl fmt::Debug for SqliteTransaction {
@@ -690,7 +692,7 @@ impl SqliteTransaction {
     /// back), except that an [`StoreError::Unavailable`] leaves it unknown,
     /// as for any write.
     pub fn commit(self) -> Result<(), StoreError> {
-        let conn = self.take()?;
+        let conn = self.conn.take_for_commit()?;
         if conn.is_autocommit() {
             return Err(StoreError::Internal(
                 "the transaction is no longer active; nothing was committed".to_owned(),
@@ -703,65 +705,33 @@ impl SqliteTransaction {
 
     /// Rolls back every write made in the transaction.
     pub fn rollback(self) -> Result<(), StoreError> {
-        // Rolling back is right even after a panic poisoned the lock.
-        let Some(conn) = self.lock().take() else {
-            return Ok(());
-        };
-        if conn.is_autocommit() {
-            // SQLite already rolled it back.
-            return Ok(());
+        match self.conn.take_for_rollback() {
+            // SQLite may have rolled it back already, after an error.
+            Some(conn) if !conn.is_autocommit() => conn.execute_batch("ROLLBACK").map_err(map_err),
+            _ => Ok(()),
         }
-        conn.execute_batch("ROLLBACK").map_err(map_err)
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Option<PooledConnection>> {
-        // A panic inside `with_connection` poisons the lock. The connection
-        // is still usable for a rollback; `run` and `commit` check for the
-        // poison themselves and refuse to go on.
-        self.conn
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn take(&self) -> Result<PooledConnection, StoreError> {
-        if self.conn.is_poisoned() {
-            return Err(StoreError::Internal(
-                "a panic interrupted the transaction; it was rolled back".to_owned(),
-            ));
-        }
-        self.lock()
-            .take()
-            .ok_or_else(|| StoreError::Internal("the transaction has ended".to_owned()))
     }
 
     fn run<R>(
         &self,
         op: impl FnOnce(&Connection) -> Result<R, StoreError>,
     ) -> Result<R, StoreError> {
-        if self.conn.is_poisoned() {
-            return Err(StoreError::Internal(
-                "a panic interrupted the transaction; it can only be rolled back".to_owned(),
-            ));
-        }
-        let guard = self.lock();
-        let conn = guard
-            .as_ref()
-            .ok_or_else(|| StoreError::Internal("the transaction has ended".to_owned()))?;
-        if conn.is_autocommit() {
-            return Err(StoreError::Internal(
-                "the transaction is no longer active (SQLite rolled it back after an error, \
-                 or it was ended inside with_connection)"
-                    .to_owned(),
-            ));
-        }
-        op(conn)
+        self.conn.run(|conn| {
+            if conn.is_autocommit() {
+                return Err(StoreError::Internal(
+                    "the transaction is no longer active (SQLite rolled it back after an \
+                     error, or it was ended inside with_connection)"
+                        .to_owned(),
+                ));
+            }
+            op(conn)
+        })
     }
 }
 
 impl Drop for SqliteTransaction {
     fn drop(&mut self) {
-        let conn = self.lock().take();
-        if let Some(conn) = conn
+        if let Some(conn) = self.conn.take_for_rollback()
             && !conn.is_autocommit()
             && let Err(e) = conn.execute_batch("ROLLBACK")
         {
