@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use axum::Router;
@@ -596,5 +597,151 @@ fn the_axum_example_runs_once_per_key() -> Result<()> {
     assert!(stdout.contains("first: 201 replayed=false"), "{stdout}");
     assert!(stdout.contains("retry: 201 replayed=true"), "{stdout}");
     assert!(stdout.contains("changed: 422"), "{stdout}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// An answer given while the store was down is never produced again (the
+// seed's compensation path: a result already produced is not produced
+// twice).
+
+/// A router whose `/orders` handler counts its runs and, on its first run,
+/// cuts the store off after doing its work: the answer is given, its
+/// outcome cannot be stored.
+fn outage_app(store: &MemoryStore, runs: &Arc<AtomicUsize>) -> Router {
+    let (store, runs) = (store.clone(), runs.clone());
+    Router::new().route(
+        "/orders",
+        post(move || {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                store.disconnect();
+            }
+            async move { (StatusCode::CREATED, format!("order {n}")) }
+        }),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_the_store_could_not_take_is_replayed_never_run_again() -> Result<()> {
+    let store = MemoryStore::new();
+    let clock = ManualClock::new(T0);
+    let engine = Engine::builder()
+        .storage(store.clone())
+        .clock(clock.clone())
+        .build()?;
+    let lease_ms = 1000;
+    let config = ProxyConfig::from_toml_str(&format!("[defaults]\nlease_ms = {lease_ms}\n"))?;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = outage_app(&store, &runs).layer(IdempotencyLayer::new(engine, config)?);
+    let first = send(&router, request("POST", "/orders", Some("k"), "{}")).await?;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_eq!(first.body, "order 1");
+    // The store is still down, ten leases later: a retry is refused, and
+    // does not run.
+    clock.advance(10 * lease_ms);
+    let refused = send(&router, request("POST", "/orders", Some("k"), "{}")).await?;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.body
+    );
+    assert_eq!(refused.problem_type(), "store-unavailable");
+    // The store is back, the lease long over: the retry gets the first
+    // answer, not a second run.
+    store.reconnect();
+    let again = send(&router, request("POST", "/orders", Some("k"), "{}")).await?;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    assert_eq!(again.body, "order 1");
+    assert!(again.replayed());
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the action ran once");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_answer_reaches_the_store_by_itself_once_it_is_back() -> Result<()> {
+    let store = MemoryStore::new();
+    let engine = Engine::builder()
+        .storage(store.clone())
+        .clock(ManualClock::new(T0))
+        .build()?;
+    let layer = IdempotencyLayer::new(engine, ProxyConfig::default())?;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = outage_app(&store, &runs).layer(layer.clone());
+    let first = send(&router, request("POST", "/orders", Some("k"), "{}")).await?;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(layer.metrics().render().contains("idem_pending_outcomes 1"));
+    store.reconnect();
+    // No request comes: the background retry stores it (its pauses grow
+    // to one second at most).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let succeeded = || -> Result<u64> {
+        Ok(store
+            .count_by_status()?
+            .iter()
+            .find(|(s, _)| *s == idem::Status::Succeeded)
+            .map_or(0, |(_, n)| *n))
+    };
+    while succeeded()? == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the held outcome was never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(layer.metrics().render().contains("idem_pending_outcomes 0"));
+    Ok(())
+}
+
+#[test]
+fn a_held_answer_survives_a_restart_through_the_outcome_journal() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let journal = dir.path().join("outcomes");
+    let config = || -> Result<ProxyConfig> {
+        Ok(ProxyConfig {
+            outcome_journal: Some(journal.clone()),
+            ..ProxyConfig::default()
+        })
+    };
+    let store = MemoryStore::new();
+    let clock = ManualClock::new(T0);
+    let engine = || -> Result<Engine> {
+        Ok(Engine::builder()
+            .storage(store.clone())
+            .clock(clock.clone())
+            .build()?)
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    // The first run answers, cannot store, and stops (its runtime and
+    // every task on it are gone, as after a crash).
+    {
+        let runtime = tokio::runtime::Runtime::new()?;
+        let router = outage_app(&store, &runs).layer(IdempotencyLayer::new(engine()?, config()?)?);
+        let first = runtime.block_on(send(&router, request("POST", "/orders", Some("k"), "{}")))?;
+        assert_eq!(first.body, "order 1");
+    }
+    assert_eq!(
+        std::fs::read_to_string(&journal)?.lines().count(),
+        1,
+        "one outcome held"
+    );
+    // A new layer on the same journal, the store back, long after the
+    // lease: the outcome is stored first, then replayed.
+    store.reconnect();
+    clock.advance(10 * 60_000);
+    let runtime = tokio::runtime::Runtime::new()?;
+    let layer = IdempotencyLayer::new(engine()?, config()?)?;
+    assert_eq!(
+        runtime.block_on(layer.recover_outcomes()),
+        0,
+        "nothing left held"
+    );
+    assert_eq!(std::fs::read_to_string(&journal)?, "");
+    let router = outage_app(&store, &runs).layer(layer);
+    let again = runtime.block_on(send(&router, request("POST", "/orders", Some("k"), "{}")))?;
+    assert_eq!(again.body, "order 1");
+    assert!(again.replayed());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
     Ok(())
 }

@@ -1340,3 +1340,42 @@ fn sweep_deletes_records_after_retention() -> Result<()> {
     expect_fresh(&again, 201)?;
     expect_total(&w.up, 2)
 }
+
+/// The seed's compensation path through the real binary: the upstream
+/// answered, but the database was locked by another process for longer than
+/// the busy timeout and the lease, so the outcome could not be stored; the
+/// proxy is then killed with SIGKILL. After a restart the retry, long after
+/// the lease, gets the first answer from the outcome journal, and the
+/// upstream ran once.
+#[test]
+fn an_answer_the_database_could_not_take_survives_sigkill_and_is_replayed() -> Result<()> {
+    let config = "[defaults]\nlease_ms = 1000\n";
+    let mut w = World::start(Some(config))?;
+    let db = w.db().to_owned();
+    let req = w.proxy.post("/slow?ms=400").key("k").json(BODY);
+    let (answer, lock) = std::thread::scope(|s| -> Result<_> {
+        let h = s.spawn(|| req.send());
+        w.up.wait_for_total(1, ARRIVAL)?;
+        // The upstream is at work: another process takes the write lock
+        // and keeps it until after the proxy is gone.
+        let lock = rusqlite::Connection::open(&db)?;
+        lock.execute_batch("BEGIN EXCLUSIVE")?;
+        let answer = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("client thread panicked"))??;
+        Ok((answer, lock))
+    })?;
+    // The client got its answer although the store took nothing.
+    expect_fresh(&answer, 201)?;
+    w.proxy.kill()?;
+    lock.execute_batch("ROLLBACK")?;
+    drop(lock);
+    let journal = std::fs::read_to_string(format!("{db}-outcomes"))?;
+    ensure!(journal.lines().count() == 1, "journal: {journal}");
+    w.restart(Some(config))?;
+    let again = w.proxy.post("/slow?ms=400").key("k").json(BODY).send()?;
+    expect_replay_of(&again, &answer)?;
+    expect_total(&w.up, 1)?;
+    ensure!(std::fs::read_to_string(format!("{db}-outcomes"))?.is_empty());
+    Ok(())
+}

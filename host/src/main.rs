@@ -309,7 +309,7 @@ fn open_postgres(_cli: &Cli) -> Result<Db> {
 
 fn run_serve(
     cli: &Cli,
-    config: ProxyConfig,
+    mut config: ProxyConfig,
     listen: &str,
     upstream: &str,
     admin: Option<&str>,
@@ -319,6 +319,15 @@ fn run_serve(
         .parse()
         .with_context(|| format!("--upstream '{upstream}' is not a URI"))?;
     let db = open(cli, &config)?;
+    if config.outcome_journal.is_none()
+        && let Db::Sqlite(store) = &db
+    {
+        // Beside the database: whoever restarts the proxy on this file
+        // finds the outcomes it could not store.
+        let mut journal = store.path().as_os_str().to_owned();
+        journal.push("-outcomes");
+        config.outcome_journal = Some(journal.into());
+    }
     let engine = db.engine(&config)?;
     let store = db.shared();
     let proxy = Proxy::new(engine, store, config, upstream)?;
@@ -356,6 +365,15 @@ fn serve_per_thread(proxy: Proxy, listen: &str, admin: Option<&str>, workers: us
     // Install the signal handlers before announcing the address: a signal
     // sent as soon as the line is read must stop the server cleanly.
     let signals = first.block_on(async { Signals::install() })?;
+    // Outcomes a previous run answered but could not store go to the store
+    // before any request is served.
+    let held = first.block_on(proxy.layer().recover_outcomes());
+    if held > 0 {
+        tracing::warn!(
+            held,
+            "outcomes of a previous run are not stored yet; their keys wait until they are"
+        );
+    }
     let admin_listener = match admin {
         Some(addr) => Some(first.block_on(async {
             TcpListener::bind(addr)

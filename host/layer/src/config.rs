@@ -426,6 +426,13 @@ pub struct ProxyConfig {
     /// answered only after it commits ((`SqliteOptions::group_commit` of `idem-sqlite`)).
     /// Default false. Ignored for PostgreSQL.
     pub group_commit: bool,
+    /// `outcome_journal`: a local file where the outcome of an answered
+    /// request is kept (synced to disk) while the store cannot take it,
+    /// and read back at start, so that a store outage or a restart never
+    /// runs an answered request a second time. `idem serve` with a SQLite
+    /// `--db` uses `<db>-outcomes` unless this is set. Default: none (held
+    /// in memory only).
+    pub outcome_journal: Option<std::path::PathBuf>,
     /// `[defaults]`: the policy of every route and of unmatched requests.
     pub defaults: PolicyConfig,
     /// `[[routes]]`: the first route matching a request's method and path
@@ -450,6 +457,7 @@ impl Default for ProxyConfig {
             .unwrap_or(u64::MAX),
             guest_memory_bytes: idem_engine::engine::DEFAULT_MEMORY_LIMIT as u64,
             group_commit: false,
+            outcome_journal: None,
             defaults: PolicyConfig::default(),
             routes: Vec::new(),
         }

@@ -17,6 +17,7 @@ use tracing::Instrument;
 
 use super::body::{BufferedResponse, DRAIN_MAX_BYTES, drain, truncate};
 use super::detach::{Detach, Panicked};
+use super::pending::{FIRST_RETRY, Held, Outcome, backoff};
 use super::{BoxError, Claim, InnerFailure, Shared};
 use crate::config::is_safe_method;
 use crate::config::{KeyRequirement, Route, ServerErrors};
@@ -254,6 +255,15 @@ impl Shared {
             body: bytes.to_vec(),
             policy: route.policy.clone(),
         };
+        // An outcome of this key that the store has not taken yet goes
+        // first: the request it answered must not run again.
+        if let Some(held) = self.pending.get(&begin.key)
+            && let Err(e) = self.store_held(&held).await
+        {
+            self.metrics.request("error");
+            tracing::error!(error = %e, "an earlier outcome of this key is still not stored; the request waits");
+            return engine_error_problem(&e).into_response();
+        }
         let on_thread = self.on_thread(&route.policy);
         let decision = match self.engine_call(on_thread, move |e| e.begin(&begin)).await {
             Ok(decision) => decision,
@@ -401,12 +411,62 @@ impl Shared {
         }
     }
 
+    /// Stores a claimed request's outcome. One the store does not take is
+    /// held (see [`super::pending`]) and offered again until it does.
+    async fn settle(self: &Arc<Self>, ticket: &Ticket, policy: &Policy, outcome: Outcome) {
+        let held = Held {
+            ticket: ticket.clone(),
+            policy: policy.clone(),
+            outcome,
+        };
+        let e = match self.store_outcome(&held).await {
+            Ok(()) => return,
+            // Refused for what it is: offering it again cannot help.
+            Err(e @ Error::Invalid(_)) => {
+                tracing::error!(error = %e, "the engine refused the outcome; the key stays in progress until its lease ends");
+                return;
+            }
+            Err(e) => e,
+        };
+        tracing::error!(error = %e, "the outcome could not be stored; it is held and offered again until the store takes it");
+        if let Err(j) = self.pending.hold(held.clone()) {
+            tracing::error!(error = %j, "the held outcome could not be written to the journal; it is kept in memory only");
+        }
+        self.metrics.pending_outcomes(self.pending.len());
+        let shared = self.clone();
+        tokio::spawn(async move { shared.retry_held(held).await });
+    }
+
+    /// Offers `held` to the store with growing pauses until it is stored,
+    /// or until another path stored it or a newer outcome replaced it.
+    pub(crate) async fn retry_held(self: Arc<Self>, held: Held) {
+        let mut pause = FIRST_RETRY;
+        while self.pending.get(&held.ticket.key).as_ref() == Some(&held) {
+            tokio::time::sleep(pause).await;
+            if self.store_held(&held).await.is_ok() {
+                return;
+            }
+            pause = backoff(pause);
+        }
+    }
+
+    /// Stores a held outcome and forgets it.
+    pub(crate) async fn store_held(&self, held: &Held) -> Result<(), Error> {
+        self.store_outcome(held).await?;
+        if let Err(j) = self.pending.settled(held) {
+            tracing::error!(error = %j, "a stored outcome could not be removed from the journal; it will be offered again, which is harmless");
+        }
+        self.metrics.pending_outcomes(self.pending.len());
+        Ok(())
+    }
+
     /// Calls `complete` or `fail`. A response the engine refuses to store
-    /// is dropped and the outcome stored without it.
-    async fn settle(&self, ticket: &Ticket, policy: &Policy, outcome: Outcome) {
-        let mut outcome = outcome;
+    /// is dropped and the outcome stored without it. A key taken over
+    /// meanwhile counts as done: the store holds the new owner's outcome.
+    async fn store_outcome(&self, held: &Held) -> Result<(), Error> {
+        let mut outcome = held.outcome.clone();
         for _ in 0..SETTLE_TRIES {
-            let (t, p, o) = (ticket.clone(), policy.clone(), outcome.clone());
+            let (t, p, o) = (held.ticket.clone(), held.policy.clone(), outcome.clone());
             let answer = self
                 .engine_call(self.inline, move |e| match &o {
                     Outcome::Complete(s) => e.complete(&t, &p, s),
@@ -416,24 +476,24 @@ impl Shared {
             match answer {
                 Ok(Completion::Recorded) => {
                     tracing::debug!(outcome = outcome.name(), "outcome stored");
-                    return;
+                    return Ok(());
                 }
                 Ok(Completion::LostOwnership) => {
                     tracing::warn!(
                         "the key was taken over while the upstream ran; this outcome was discarded"
                     );
-                    return;
+                    return Ok(());
                 }
                 Err(Error::Invalid(i)) if outcome.has_response() => {
                     tracing::warn!(error = %i, "the engine refused to store the response; storing the outcome without it");
                     outcome = outcome.without_response();
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "the outcome could not be stored; the key stays in progress until its lease ends");
-                    return;
-                }
+                Err(e) => return Err(e),
             }
         }
+        Err(Error::Corrupt(
+            "the engine refused the outcome with and without its response".to_owned(),
+        ))
     }
 }
 
@@ -466,13 +526,6 @@ fn outcome_of(response: &BufferedResponse, server_errors: ServerErrors) -> Outco
             disposition,
         ),
     }
-}
-
-/// An outcome to store.
-#[derive(Debug, Clone)]
-enum Outcome {
-    Complete(Success),
-    Fail(Failure, Disposition),
 }
 
 impl Outcome {

@@ -50,6 +50,7 @@ mod future;
 pub mod key;
 mod keyed;
 pub mod metrics;
+mod pending;
 pub mod problem;
 pub mod response;
 pub mod rules;
@@ -99,6 +100,8 @@ pub(crate) struct Shared {
     /// Engine calls run on the request's own thread (the store answers in
     /// microseconds) rather than on the blocking pool.
     pub(crate) inline: bool,
+    /// Outcomes the store has not taken yet.
+    pub(crate) pending: pending::Pending,
 }
 
 /// The layer: holds the engine and the configuration; cheap to clone.
@@ -149,16 +152,44 @@ impl IdempotencyLayer {
             }
         }
         let inline = !engine.blocks_on_io();
+        let pending = match &config.outcome_journal {
+            Some(path) => {
+                pending::Pending::with_journal(path.clone()).map_err(|e| ConfigError::Invalid {
+                    field: "outcome_journal".into(),
+                    message: e.to_string(),
+                })?
+            }
+            None => pending::Pending::in_memory(),
+        };
+        let metrics = Metrics::new();
+        metrics.pending_outcomes(pending.len());
         Ok(IdempotencyLayer {
             shared: Arc::new(Shared {
                 inline,
+                pending,
                 engine,
                 config,
                 routes,
-                metrics: Metrics::new(),
+                metrics,
                 tasks: TaskTracker::new(),
             }),
         })
+    }
+
+    /// Stores the outcomes a previous run left in the outcome journal
+    /// ([`ProxyConfig::outcome_journal`]) and returns how many are still
+    /// held; those are offered again in the background until the store
+    /// takes them. Call it once at start, before serving: a request for
+    /// such a key waits for its outcome to be stored either way, but
+    /// nothing else would store an outcome whose key is never retried.
+    pub async fn recover_outcomes(&self) -> usize {
+        for held in self.shared.pending.all() {
+            if let Err(e) = self.shared.store_held(&held).await {
+                tracing::warn!(error = %e, key = %held.ticket.key.idem_key, "a journaled outcome is not stored yet; offering it again in the background");
+                tokio::spawn(self.shared.clone().retry_held(held));
+            }
+        }
+        self.shared.pending.len()
     }
 
     /// The metrics of every service this layer made.

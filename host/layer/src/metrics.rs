@@ -7,6 +7,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -42,6 +43,7 @@ pub struct Metrics {
     replays: Counter,
     mismatches: Counter,
     store_errors: Counter,
+    pending_outcomes: Gauge,
     upstream_duration: Histogram,
 }
 
@@ -65,6 +67,7 @@ impl Metrics {
         let replays = Counter::default();
         let mismatches = Counter::default();
         let store_errors = Counter::default();
+        let pending_outcomes = Gauge::default();
         // 5 ms to about 41 s.
         let upstream_duration = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         registry.register(
@@ -88,6 +91,11 @@ impl Metrics {
             store_errors.clone(),
         );
         registry.register(
+            "idem_pending_outcomes",
+            "Outcomes of answered requests that the store has not taken yet (held and retried)",
+            pending_outcomes.clone(),
+        );
+        registry.register(
             "idem_upstream_duration_seconds",
             "Time the upstream took to answer",
             upstream_duration.clone(),
@@ -102,6 +110,7 @@ impl Metrics {
             replays,
             mismatches,
             store_errors,
+            pending_outcomes,
             upstream_duration,
         }
     }
@@ -126,6 +135,12 @@ impl Metrics {
     /// Counts one store error.
     pub fn store_error(&self) {
         self.store_errors.inc();
+    }
+
+    /// Sets how many outcomes are held for the store.
+    pub fn pending_outcomes(&self, held: usize) {
+        self.pending_outcomes
+            .set(i64::try_from(held).unwrap_or(i64::MAX));
     }
 
     /// Records how long the upstream took.
