@@ -7,8 +7,8 @@ use anyhow::{Result, bail, ensure};
 use common::{Harness, T0, key, policy, request};
 use idem::{
     ActionResult, BeginRequest, BodyKind, Completion, Decision, Disposition, Error, ExpiredLease,
-    Extension, Failure, FailureMode, InProgressMode, InputField, InputRule, Policy, RunOutcome,
-    Status, StoredResponse, Success, Ticket, WaitSpec,
+    Extension, Failure, FailureMode, InProgressMode, InputField, InputRule, Policy, Resolution,
+    RunOutcome, Settlement, Status, StoredResponse, Success, Ticket, WaitSpec,
 };
 
 fn execute(h: &Harness, req: &BeginRequest) -> Result<Ticket> {
@@ -574,6 +574,69 @@ fn abandon(h: &Harness, k: &str, p: &Policy) -> Result<Ticket> {
     execute(h, &BeginRequest::json(key(k), "{}", p.clone()))
 }
 
+fn an_operator_settles_stuck_keys_and_only_those(h: &Harness) -> Result<()> {
+    let p = policy();
+    // Stuck: an owner that crashed (past its lease) and an unknown outcome.
+    let crashed = abandon(h, "crashed", &p)?;
+    let unknown_req = request("unknown", "{}");
+    let unknown = unknown_outcome(h, &unknown_req)?;
+    let live = abandon(h, "live", &p)?;
+    h.clock.set(crashed.lease_until);
+    // `live` was claimed at the same time, so extend it first.
+    ensure!(matches!(
+        h.engine.extend(&live, &p)?,
+        Extension::Extended(_)
+    ));
+    let response = response("{\"order\":\"o-7\"}");
+    let succeeded = Resolution::Succeeded(Success {
+        result_ref: Some("o-7".into()),
+        response: Some(response.clone()),
+    });
+    ensure!(h.engine.settle(&key("crashed"), &p, &succeeded)? == Settlement::Settled);
+    ensure!(
+        h.engine
+            .settle(&key("unknown"), &p, &Resolution::Released)?
+            == Settlement::Settled
+    );
+    ensure!(h.engine.settle(&key("live"), &p, &Resolution::Released)? == Settlement::NotStuck);
+    ensure!(h.engine.settle(&key("none"), &p, &Resolution::Released)? == Settlement::Absent);
+    // A settled key is not stuck any more.
+    ensure!(
+        h.engine
+            .settle(&key("crashed"), &p, &Resolution::Released)?
+            == Settlement::NotStuck
+    );
+    // The crashed owner's late completion is refused; the operator's
+    // answer is replayed.
+    let late = h
+        .engine
+        .complete(&crashed, &p, &Success::with_ref("late"))?;
+    ensure!(late == Completion::LostOwnership, "{late:?}");
+    match h.engine.begin(&request("crashed", "{}"))? {
+        Decision::Replay(r) => {
+            ensure!(r.result_ref.as_deref() == Some("o-7") && r.response == Some(response));
+        }
+        other => bail!("expected the settled answer, got {other:?}"),
+    }
+    // A released key runs again, under a new token.
+    let t = execute(h, &unknown_req)?;
+    ensure!(t.fencing_token == unknown.fencing_token + 2, "{t:?}");
+    // A bad resolution names its field and writes nothing.
+    let stuck = abandon(h, "stuck", &p)?;
+    h.clock.set(stuck.lease_until);
+    let bad = Resolution::Failed(Failure {
+        code: "has space".into(),
+        message: String::new(),
+        response: None,
+    });
+    match h.engine.settle(&key("stuck"), &p, &bad) {
+        Err(Error::Invalid(i)) => ensure!(i.field == InputField::FailureInfo, "{i:?}"),
+        other => bail!("expected invalid, got {other:?}"),
+    }
+    ensure!(status_of(h, "stuck")? == Some(Status::Processing));
+    Ok(())
+}
+
 fn reconcile_found_marks_succeeded(h: &Harness) -> Result<()> {
     let p = policy();
     let t = abandon(h, "k1", &p)?;
@@ -936,6 +999,7 @@ suite!(
     reconcile_not_found_manual_is_left,
     reconcile_lookup_error_leaves_record,
     outcome_unknown_is_reconciled,
+    an_operator_settles_stuck_keys_and_only_those,
     reconcile_respects_its_limit,
     expired_failures_are_replaced_too,
     impossible_records_are_reported_corrupt,

@@ -735,3 +735,97 @@ fn killed_inside_a_postgres_business_transaction_leaves_no_business_row() -> Res
     }
     Ok(())
 }
+
+/// The operator's commands on PostgreSQL: `idem stuck` lists a crashed
+/// owner's key and an unknown outcome, `idem settle` decides each, and the
+/// engine then replays (or runs again) accordingly.
+#[test]
+fn an_operator_lists_and_settles_stuck_keys_on_postgres() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let (engine, _store, clock) = engine_on(&schema, &unique_name("idem_operator"))?;
+    // Records from an hour ago: the crashed owner's lease is long over.
+    let p = Policy::default();
+    clock.set(
+        u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_millis(),
+        )? - 3_600_000,
+    );
+    let req = |k: &str| BeginRequest::json(key(k), "{}", p.clone());
+    let Decision::Execute(_crashed) = engine.begin(&req("crashed"))? else {
+        bail!("expected execute");
+    };
+    let Decision::Execute(unknown) = engine.begin(&req("unknown"))? else {
+        bail!("expected execute");
+    };
+    let timeout = Failure {
+        code: "timeout".into(),
+        message: String::new(),
+        response: None,
+    };
+    engine.fail(&unknown, &p, &timeout, Disposition::OutcomeUnknown)?;
+    let db = [
+        "--db",
+        schema.url.as_str(),
+        "--pg-schema",
+        schema.name.as_str(),
+    ];
+    let stuck =
+        serve::idem_ok(&[&["stuck", "--biz", "order.create", "--json"][..], &db[..]].concat())?
+            .json()?;
+    let mut keys: Vec<&str> = stuck
+        .as_array()
+        .context("a list")?
+        .iter()
+        .filter_map(|r| r["key"].as_str())
+        .collect();
+    keys.sort_unstable();
+    ensure!(keys == ["crashed", "unknown"], "{stuck}");
+    let who = ["--scope", "tenant-1", "--biz", "order.create"];
+    serve::idem_ok(
+        &[
+            &[
+                "settle",
+                "--key",
+                "crashed",
+                "--failed",
+                "--code",
+                "card-declined",
+            ][..],
+            &who[..],
+            &db[..],
+        ]
+        .concat(),
+    )?;
+    serve::idem_ok(
+        &[
+            &[
+                "settle",
+                "--key",
+                "unknown",
+                "--succeeded",
+                "--result-ref",
+                "o-9",
+            ][..],
+            &who[..],
+            &db[..],
+        ]
+        .concat(),
+    )?;
+    match engine.begin(&req("crashed"))? {
+        Decision::Failed(f) => ensure!(f.code == "card-declined", "{f:?}"),
+        other => bail!("expected the settled failure, got {other:?}"),
+    }
+    match engine.begin(&req("unknown"))? {
+        Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("o-9"), "{r:?}"),
+        other => bail!("expected the settled success, got {other:?}"),
+    }
+    let none =
+        serve::idem_ok(&[&["stuck", "--biz", "order.create", "--json"][..], &db[..]].concat())?
+            .json()?;
+    ensure!(none.as_array().is_some_and(Vec::is_empty), "{none}");
+    Ok(())
+}

@@ -16,7 +16,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use serve::{Req, Resp, Serve, TEST_CLIENT, idem_ok};
+use serve::{Req, Resp, Serve, TEST_CLIENT, idem, idem_ok};
 use upstream::{Upstream, refused_port};
 use world::{World, serve};
 
@@ -1377,5 +1377,135 @@ fn an_answer_the_database_could_not_take_survives_sigkill_and_is_replayed() -> R
     expect_replay_of(&again, &answer)?;
     expect_total(&w.up, 1)?;
     ensure!(std::fs::read_to_string(format!("{db}-outcomes"))?.is_empty());
+    Ok(())
+}
+
+/// Issue 15's operator path through the real binaries: an upstream timeout
+/// leaves a key outcome-unknown, blocked by default; `idem stuck` lists it,
+/// `idem inspect --auth` finds it by the client's own credentials, and
+/// `idem settle` decides it: the proxy then replays the operator's answer,
+/// or, once released, runs the request again.
+#[test]
+fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
+    let w = World::start(Some("upstream_timeout_ms = 300\n"))?;
+    for k in ["paid", "not-paid"] {
+        let r = w.proxy.post("/hang").key(k).json(BODY).send()?;
+        r.expect_problem(504, "outcome-unknown")?;
+    }
+    expect_total(&w.up, 2)?;
+    let stuck = idem_ok(&["stuck", "--db", w.db(), "--biz", "http", "--json"])?.json()?;
+    let keys: Vec<&str> = stuck
+        .as_array()
+        .context("a list")?
+        .iter()
+        .filter_map(|r| r["key"].as_str())
+        .collect();
+    ensure!(keys.len() == 2 && keys.contains(&"paid"), "{stuck}");
+    ensure!(stuck[0]["status"] == "outcome-unknown", "{stuck}");
+    let who = ["--auth", TEST_CLIENT, "--biz", "http"];
+    let rec = idem_ok(
+        &[
+            &["inspect", "--db", w.db(), "--json", "--key", "paid"],
+            &who[..],
+        ]
+        .concat(),
+    )?
+    .json()?;
+    ensure!(rec["status"] == "outcome-unknown", "{rec}");
+
+    // The operator checked the business data: "paid" took effect.
+    let body = r#"{"order":"o-42"}"#;
+    let settled = idem_ok(
+        &[
+            &[
+                "settle",
+                "--db",
+                w.db(),
+                "--json",
+                "--key",
+                "paid",
+                "--succeeded",
+            ][..],
+            &who[..],
+            &[
+                "--status",
+                "201",
+                "--header",
+                "content-type: application/json",
+                "--body",
+                body,
+            ],
+        ]
+        .concat(),
+    )?
+    .json()?;
+    ensure!(
+        settled["settlement"] == "settled" && settled["status"] == "succeeded",
+        "{settled}"
+    );
+    let replay = w.proxy.post("/hang").key("paid").json(BODY).send()?;
+    ensure!(replay.status == 201 && replay.text() == body, "{replay:?}");
+    ensure!(
+        replay.header("idempotent-replayed") == Some("true"),
+        "{replay:?}"
+    );
+    // "not-paid" did not: released, the retry runs once more.
+    idem_ok(
+        &[
+            &["settle", "--db", w.db(), "--key", "not-paid", "--release"][..],
+            &who[..],
+        ]
+        .concat(),
+    )?;
+    w.proxy
+        .post("/hang")
+        .key("not-paid")
+        .json(BODY)
+        .send()?
+        .expect_problem(504, "outcome-unknown")?;
+    expect_total(&w.up, 3)?;
+    // A key that is not stuck is refused by name, and left as it is.
+    let again = idem(
+        &[
+            &["settle", "--db", w.db(), "--key", "paid", "--release"][..],
+            &who[..],
+        ]
+        .concat(),
+    )?;
+    ensure!(
+        !again.status.success() && again.stdout.contains("not stuck"),
+        "{again:?}"
+    );
+    // Bad input names the field: a status out of range is the engine's
+    // refusal of the success, nothing written.
+    let bad = idem(
+        &[
+            &[
+                "settle",
+                "--db",
+                w.db(),
+                "--key",
+                "not-paid",
+                "--succeeded",
+                "--status",
+                "42",
+            ][..],
+            &who[..],
+        ]
+        .concat(),
+    )?;
+    ensure!(
+        !bad.status.success() && bad.stderr.contains("status"),
+        "{bad:?}"
+    );
+    let rec = idem_ok(
+        &[
+            &["inspect", "--db", w.db(), "--json", "--key", "not-paid"],
+            &who[..],
+        ]
+        .concat(),
+    )?
+    .json()?;
+    ensure!(rec["status"] == "outcome-unknown", "{rec}");
     Ok(())
 }

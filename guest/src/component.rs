@@ -6,7 +6,7 @@ use alloc::vec::Vec;
 
 use crate::bindings::exports::idem::engine::engine::{
     BeginRequest, Completion, Decision, Disposition, EngineError, Extension, Guest, KeyStatus,
-    Policy, ReconcileReport, Ticket,
+    Policy, ReconcileReport, Resolution, Settlement, Ticket,
 };
 use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
 use crate::bindings::idem::engine::types::{Failure, RecordKey, StoredRecord, Success, Timestamp};
@@ -92,6 +92,13 @@ impl Guest for Component {
     }
     fn sweep(limit: u32) -> Result<u32, EngineError> {
         machine::sweep(&Imports, limit)
+    }
+    fn settle(
+        key: RecordKey,
+        policy: Policy,
+        resolution: Resolution,
+    ) -> Result<Settlement, EngineError> {
+        machine::settle_stuck(&Imports, &key, &policy, &resolution)
     }
     fn inspect(key: RecordKey) -> Result<Option<KeyStatus>, EngineError> {
         machine::inspect(&Imports, &key)

@@ -36,7 +36,7 @@ use alloc::vec::Vec;
 use crate::bindings::exports::idem::engine::engine::{
     BeginRequest, Busy, Completion, Decision, Disposition, EngineError, ExpiredLease, Extension,
     FailureMode, InProgressMode, KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed,
-    Ticket, UnknownInfo,
+    Resolution, Settlement, Ticket, UnknownInfo,
 };
 use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
 use crate::bindings::idem::engine::types::{
@@ -666,29 +666,107 @@ pub fn fail(
     settle(
         env,
         t,
-        |rec, now| {
-            let mut next = rewrite(rec, now)?;
-            next.status = status;
-            // An unknown outcome keeps the lease: duplicates are told the
-            // outcome is unknown until it ends, then the policy decides.
-            next.lease_until = match disposition {
-                Disposition::OutcomeUnknown => rec.lease_until,
-                _ => None,
-            };
-            next.result_ref = None;
-            next.failure = Some(failure.clone());
-            next.response = match disposition {
-                Disposition::Final => failure.response.clone(),
-                _ => None,
-            };
-            next.expires_at = match disposition {
-                Disposition::OutcomeUnknown => None,
-                _ => Some(now.saturating_add(policy.retention_ms)),
-            };
-            Ok(next)
-        },
+        |rec, now| failed(rec, now, policy, failure, disposition),
         |rec| rec.status == status && rec.failure.as_ref() == Some(failure),
     )
+}
+
+/// `rec` after `failure` with `disposition` (already made effective).
+fn failed(
+    rec: &StoredRecord,
+    now: Timestamp,
+    policy: &Policy,
+    failure: &Failure,
+    disposition: Disposition,
+) -> Result<StoredRecord, EngineError> {
+    let mut next = rewrite(rec, now)?;
+    next.status = match disposition {
+        Disposition::Retryable => Status::Released,
+        Disposition::Final => Status::Failed,
+        Disposition::OutcomeUnknown => Status::OutcomeUnknown,
+    };
+    // An unknown outcome keeps the lease: duplicates are told the outcome
+    // is unknown until it ends, then the policy decides.
+    next.lease_until = match disposition {
+        Disposition::OutcomeUnknown => rec.lease_until,
+        _ => None,
+    };
+    next.result_ref = None;
+    next.failure = Some(failure.clone());
+    next.response = match disposition {
+        Disposition::Final => failure.response.clone(),
+        _ => None,
+    };
+    next.expires_at = match disposition {
+        Disposition::OutcomeUnknown => None,
+        _ => Some(now.saturating_add(policy.retention_ms)),
+    };
+    Ok(next)
+}
+
+/// `engine.settle`: an operator's decision on a stuck key, written in one
+/// compare-and-swap under the next fencing token.
+pub fn settle_stuck(
+    env: &impl Env,
+    key: &RecordKey,
+    policy: &Policy,
+    resolution: &Resolution,
+) -> Result<Settlement, EngineError> {
+    validate::policy(policy).map_err(EngineError::Invalid)?;
+    validate::record_key(key, &policy.key_format).map_err(EngineError::Invalid)?;
+    match resolution {
+        Resolution::Succeeded(s) => validate::success(s).map_err(EngineError::Invalid)?,
+        Resolution::Failed(f) => validate::failure(f).map_err(EngineError::Invalid)?,
+        Resolution::Released => {}
+    }
+    let mut current = env.get(key).map_err(store)?;
+    for _ in 0..MAX_CONTENTION_ROUNDS {
+        let Some(rec) = current.take() else {
+            return Ok(Settlement::Absent);
+        };
+        check_record(&rec, key)?;
+        let now = env.now();
+        if is_expired(&rec, now) {
+            return Ok(Settlement::Absent);
+        }
+        let stuck = match rec.status {
+            Status::Processing => !lease_live(&rec, now),
+            Status::OutcomeUnknown => true,
+            _ => false,
+        };
+        if !stuck {
+            return Ok(Settlement::NotStuck);
+        }
+        // Fenced: the owner that left the key stuck can no longer write.
+        let mut fenced = rec.clone();
+        fenced.fencing_token = next_token(&rec)?;
+        let next = match resolution {
+            Resolution::Succeeded(s) => succeeded(
+                &fenced,
+                now,
+                policy,
+                s.result_ref.clone(),
+                s.response.clone(),
+            )?,
+            Resolution::Failed(f) => failed(&fenced, now, policy, f, Disposition::Final)?,
+            Resolution::Released => {
+                let mut next = rewrite(&fenced, now)?;
+                next.status = Status::Released;
+                next.lease_until = None;
+                next.result_ref = None;
+                next.response = None;
+                next.expires_at = Some(now.saturating_add(policy.retention_ms));
+                next
+            }
+        };
+        match env.compare_and_swap(rec.revision, &next).map_err(store)? {
+            SwapOutcome::Swapped => return Ok(Settlement::Settled),
+            SwapOutcome::Stale(now_stored) => current = now_stored,
+        }
+    }
+    Err(EngineError::Store(StoreError::Unavailable(format!(
+        "the record changed {MAX_CONTENTION_ROUNDS} times during one call; retry"
+    ))))
 }
 
 /// `engine.extend`.

@@ -6,12 +6,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod operator;
+
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use idem::proxy::{Proxy, ProxyConfig, serve, serve_with};
-use idem::{
-    Engine, KeyStatus, ReconcileReport, RecordKey, SqliteOptions, SqliteStore, Status, Storage,
-};
+use idem::{Engine, KeyStatus, ReconcileReport, SqliteOptions, SqliteStore, Status, Storage};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -59,17 +59,21 @@ enum Command {
         workers: Option<std::num::NonZeroUsize>,
     },
     /// Show the stored state of one key.
-    Inspect {
-        /// The key's scope (e.g. auth:<sha256>, hdr:<tenant>, addr:<sha256>, anonymous).
-        #[arg(long)]
-        scope: String,
-        /// The key's biz type (http unless a route names another).
+    Inspect(operator::KeyArgs),
+    /// List the stuck keys of a biz type: in progress past their lease (the
+    /// owner crashed), or outcome-unknown; oldest first.
+    Stuck {
+        /// The biz type.
         #[arg(long)]
         biz: String,
-        /// The idempotency key.
-        #[arg(long)]
-        key: String,
+        /// The most keys to list.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
     },
+    /// Settle a stuck key by an operator's decision: succeeded (with the
+    /// response to replay), failed for good, or released for a new run.
+    /// Exits non-zero when the key was not stuck or has no record.
+    Settle(operator::SettleArgs),
     /// Delete every expired key, in batches.
     Sweep {
         /// Keys per batch (default: sweep_batch from the config, 1000).
@@ -145,11 +149,20 @@ fn main() -> Result<()> {
             admin,
             workers,
         } => run_serve(&cli, config, listen, upstream, admin.as_deref(), *workers),
-        Command::Inspect { scope, biz, key } => {
+        Command::Inspect(args) => {
             let engine = open(&cli, &config)?.engine(&config)?;
-            let status =
-                engine.inspect(&RecordKey::new(scope.as_str(), biz.as_str(), key.as_str()))?;
-            print_inspect(cli.json, scope, biz, key, status.as_ref())
+            let key = args.record_key()?;
+            let status = engine.inspect(&key)?;
+            print_inspect(cli.json, &key.scope, &args.biz, &args.key, status.as_ref())
+        }
+        Command::Stuck { biz, limit } => {
+            let store = open(&cli, &config)?.shared();
+            operator::stuck(store.as_ref(), biz, *limit, cli.json)
+        }
+        Command::Settle(args) => {
+            let engine = open(&cli, &config)?.engine(&config)?;
+            let policy = config.policy_for(&args.key.biz);
+            operator::settle(&engine, &policy, args, cli.json)
         }
         Command::Sweep { limit } => {
             let engine = open(&cli, &config)?.engine(&config)?;

@@ -57,13 +57,15 @@ pub mod bindings {
             "idem:engine/engine@0.2.0/extension": idem_guest::bindings::exports::idem::engine::engine::Extension,
             "idem:engine/engine@0.2.0/reconcile-report": idem_guest::bindings::exports::idem::engine::engine::ReconcileReport,
             "idem:engine/engine@0.2.0/key-status": idem_guest::bindings::exports::idem::engine::engine::KeyStatus,
+            "idem:engine/engine@0.2.0/resolution": idem_guest::bindings::exports::idem::engine::engine::Resolution,
+            "idem:engine/engine@0.2.0/settlement": idem_guest::bindings::exports::idem::engine::engine::Settlement,
         },
     });
 }
 
 use idem_guest::bindings::exports::idem::engine::engine::{
     BeginRequest, Completion, Decision, Disposition, EngineError, Extension, Guest as EngineGuest,
-    KeyStatus, Policy, ReconcileReport, Ticket,
+    KeyStatus, Policy, ReconcileReport, Resolution, Settlement, Ticket,
 };
 use idem_guest::bindings::idem::engine::types::{Failure, RecordKey, Success};
 use idem_guest::component::Component as Engine;
@@ -97,6 +99,9 @@ impl bindings::exports::idem::engine::engine::Guest for Middleware {
     }
     fn sweep(limit: u32) -> Result<u32, EngineError> {
         <Engine as EngineGuest>::sweep(limit)
+    }
+    fn settle(k: RecordKey, p: Policy, r: Resolution) -> Result<Settlement, EngineError> {
+        <Engine as EngineGuest>::settle(k, p, r)
     }
     fn inspect(key: RecordKey) -> Result<Option<KeyStatus>, EngineError> {
         <Engine as EngineGuest>::inspect(key)

@@ -3129,3 +3129,106 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// An operator settles a stuck key
+// ---------------------------------------------------------------------------
+
+#[test]
+fn settle_writes_nothing_unless_the_key_is_stuck() {
+    let p = policy();
+    let env = Fake::new();
+    let released = Resolution::Released;
+    assert_eq!(
+        settle_stuck(&env, &key("none"), &p, &released),
+        Ok(Settlement::Absent)
+    );
+    let live = key("live");
+    start(&env, &live, &p);
+    let (done, _) = settled_in(&env, Status::Succeeded, &p);
+    let before = env.snapshot();
+    for k in [&live, &done] {
+        assert_eq!(
+            settle_stuck(&env, k, &p, &released),
+            Ok(Settlement::NotStuck)
+        );
+    }
+    // Past its retention a settled record counts as absent.
+    env.advance(RETENTION + LEASE);
+    assert_eq!(
+        settle_stuck(&env, &done, &p, &released),
+        Ok(Settlement::Absent)
+    );
+    assert_eq!(env.snapshot(), before);
+}
+
+#[test]
+fn settle_refuses_a_bad_resolution_and_writes_nothing() {
+    let p = policy();
+    let env = Fake::new();
+    let (k, _) = settled_in(&env, Status::OutcomeUnknown, &p);
+    let before = env.snapshot();
+    let bad = Resolution::Failed(failure(""));
+    let err = settle_stuck(&env, &k, &p, &bad).expect_err("an empty failure code");
+    assert!(
+        matches!(&err, EngineError::Invalid(i) if i.field == InputField::FailureInfo),
+        "{err:?}"
+    );
+    assert_eq!(env.snapshot(), before);
+}
+
+#[test]
+fn settle_decides_a_stuck_key_and_fences_off_its_owner() {
+    let p = policy();
+    for status in [Status::Processing, Status::OutcomeUnknown] {
+        for resolution in [
+            Resolution::Succeeded(Success {
+                result_ref: Some("order-7".into()),
+                response: Some(response(201, "{\"order\":7}")),
+            }),
+            Resolution::Failed(failure("card-declined")),
+            Resolution::Released,
+        ] {
+            let env = Fake::new();
+            let (k, t) = settled_in(&env, status, &p);
+            if status == Status::Processing {
+                // Stuck only once the owner's lease is over.
+                assert_eq!(
+                    settle_stuck(&env, &k, &p, &resolution),
+                    Ok(Settlement::NotStuck)
+                );
+                env.set_time(t.lease_until);
+            }
+            assert_eq!(
+                settle_stuck(&env, &k, &p, &resolution),
+                Ok(Settlement::Settled),
+                "{status:?} {resolution:?}"
+            );
+            let rec = env.record(&k).expect("the record stays");
+            assert_eq!(rec.fencing_token, t.fencing_token + 1);
+            // The owner that left it stuck can no longer write.
+            assert_eq!(
+                complete(&env, &t, &p, &success("late")),
+                Ok(Completion::LostOwnership)
+            );
+            match (&resolution, decide(&env, &k, 1, &p)) {
+                (Resolution::Succeeded(s), Decision::Replay(r)) => {
+                    assert_eq!(
+                        (r.result_ref, r.response),
+                        (s.result_ref.clone(), s.response.clone())
+                    );
+                }
+                (Resolution::Failed(f), Decision::Failed(got)) => assert_eq!(&got, f),
+                (Resolution::Released, Decision::Execute(next)) => {
+                    assert_eq!(next.fencing_token, t.fencing_token + 2);
+                }
+                (r, d) => panic!("{status:?} settled as {r:?}, then decided {d:?}"),
+            }
+            // Settled is not stuck.
+            assert_eq!(
+                settle_stuck(&env, &k, &p, &Resolution::Released),
+                Ok(Settlement::NotStuck)
+            );
+        }
+    }
+}

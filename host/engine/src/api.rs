@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::types::{Failure, RecordKey, Status, StoredResponse, Timestamp};
+use crate::types::{Failure, RecordKey, Status, StoredResponse, Success, Timestamp};
 
 /// How long a settled record is kept and replayed by default: 24 hours, the
 /// window after which Stripe prunes keys.
@@ -371,6 +371,32 @@ pub enum Completion {
     Recorded,
     /// A newer owner holds the key; nothing was written.
     LostOwnership,
+}
+
+/// An operator's decision on a stuck key ([`Engine::settle`](crate::Engine::settle)).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Resolution {
+    /// The action took effect: the key becomes succeeded and replays this.
+    Succeeded(Success),
+    /// The action failed for good: the key becomes failed and replays this.
+    Failed(Failure),
+    /// The action did not take effect: the key is released, and the next
+    /// request with the same fingerprint executes.
+    Released,
+}
+
+/// The answer to [`Engine::settle`](crate::Engine::settle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Settlement {
+    /// The key is settled as asked; its old owner is fenced off.
+    Settled,
+    /// The key has no record, or only one past its retention.
+    Absent,
+    /// The key is not stuck (in progress under a live lease, or already
+    /// settled); nothing was written.
+    NotStuck,
 }
 
 /// What `fail` means for the key.

@@ -205,6 +205,17 @@ enums! {
     }
     api::Completion => wit_engine::Completion { Recorded, LostOwnership }
     api::Disposition => wit_engine::Disposition { Retryable, Final, OutcomeUnknown }
+    api::Settlement => wit_engine::Settlement { Settled, Absent, NotStuck }
+}
+
+impl Conv<wit_engine::Resolution> for api::Resolution {
+    fn conv(self) -> wit_engine::Resolution {
+        match self {
+            api::Resolution::Succeeded(s) => wit_engine::Resolution::Succeeded(s.conv()),
+            api::Resolution::Failed(f) => wit_engine::Resolution::Failed(f.conv()),
+            api::Resolution::Released => wit_engine::Resolution::Released,
+        }
+    }
 }
 
 impl Conv<wit_engine::InProgressMode> for api::InProgressMode {

@@ -11,7 +11,7 @@ use wasmtime::component::{Component, Linker};
 
 use crate::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, InvalidInput, KeyStatus, Policy,
-    ReconcileReport, Ticket,
+    ReconcileReport, Resolution, Settlement, Ticket,
 };
 use crate::bindings::{self, Conv, wit_engine};
 use crate::bounds::{Flavor, Guard, GuestBounds, Stopped};
@@ -517,6 +517,31 @@ impl Engine {
     /// Deletes up to `limit` settled records past retention.
     pub fn sweep(&self, limit: u32) -> Result<u32, Error> {
         self.call(None, |g, st| g.call_sweep(st, limit))
+    }
+
+    /// Settles a stuck key by an operator's decision: a processing record
+    /// whose lease has ended, or an outcome-unknown record. The record's
+    /// fencing token moves on, so the owner that left it stuck can no
+    /// longer write. A key that is not stuck is left as it is
+    /// ([`Settlement::NotStuck`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a bad key, policy, success or failure
+    /// (nothing written); [`Error::Store`]; [`Error::Corrupt`].
+    pub fn settle(
+        &self,
+        key: &RecordKey,
+        policy: &Policy,
+        resolution: &Resolution,
+    ) -> Result<Settlement, Error> {
+        let (k, p, r) = (
+            key.clone().conv(),
+            policy.clone().conv(),
+            resolution.clone().conv(),
+        );
+        self.call(None, |g, st| g.call_settle(st, &k, &p, &r))
+            .map(Conv::conv)
     }
 
     /// The status of one key.

@@ -45,7 +45,8 @@ pub mod types;
 pub use api::{
     BeginRequest, BodyKind, Busy, Completion, Decision, Disposition, ExpiredLease, Extension,
     FailureMode, InProgressMode, InputField, InputRule, InvalidInput, KeyCharset, KeyFormat,
-    KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed, Ticket, UnknownInfo, WaitSpec,
+    KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed, Resolution, Settlement, Ticket,
+    UnknownInfo, WaitSpec,
 };
 pub use bounds::GuestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -35,7 +35,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 
 use idem_guest::bindings::exports::idem::engine::engine::{
     BeginRequest, Busy, Completion, Decision, Disposition, EngineError, Extension, KeyStatus,
-    Policy, ReconcileReport, Ticket,
+    Policy, ReconcileReport, Resolution, Settlement, Ticket,
 };
 // The engine interface this component exports: the engine world's, or the
 // middleware world's (the same types, through the middleware crate's
@@ -158,6 +158,9 @@ impl Guest for Misbehaving {
     }
     fn sweep(limit: u32) -> Result<u32, EngineError> {
         Engine::sweep(limit)
+    }
+    fn settle(k: RecordKey, p: Policy, r: Resolution) -> Result<Settlement, EngineError> {
+        Engine::settle(k, p, r)
     }
     fn inspect(key: RecordKey) -> Result<Option<KeyStatus>, EngineError> {
         Engine::inspect(key)
