@@ -1305,12 +1305,16 @@ fn inspect_stats_and_reconcile_report_the_records() -> Result<()> {
     });
     ensure!(stats == expected, "stats {stats}, expected {expected}");
 
-    // The proxy has no business lookup: reconcile cannot settle the
-    // outcome-unknown key and leaves it as it is.
-    let report = idem_ok(&["reconcile", "--db", w.db(), "--biz", "http", "--json"])?.json()?;
-    ensure!(report["examined"].as_u64() >= Some(1), "{report}");
+    // The proxy has no business lookup: reconcile refuses, and changes
+    // nothing (not even the fencing token of the outcome-unknown key).
+    let before = inspect(&w, "anonymous", "http", "k-drop")?;
+    let refused = idem(&["reconcile", "--db", w.db(), "--biz", "http", "--json"])?;
+    ensure!(
+        !refused.status.success() && refused.stderr.contains("no result lookup"),
+        "{refused:?}"
+    );
     let rec = inspect(&w, "anonymous", "http", "k-drop")?;
-    ensure!(rec["status"] == "outcome-unknown", "{rec}");
+    ensure!(rec == before && rec["status"] == "outcome-unknown", "{rec}");
     Ok(())
 }
 

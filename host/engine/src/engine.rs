@@ -37,6 +37,14 @@ pub enum Error {
     /// The input broke a rule; nothing was written.
     #[error("invalid input: {0}")]
     Invalid(InvalidInput),
+    /// `reconcile` was asked to settle records, but no result lookup is
+    /// registered ([`EngineBuilder::results`]). Nothing was read or
+    /// written: without a lookup it cannot tell whether an action took
+    /// effect. Stuck keys can be settled one by one ([`Engine::settle`]).
+    #[error(
+        "no result lookup is registered, so reconcile cannot tell whether an action took effect; nothing was changed (settle stuck keys one by one instead)"
+    )]
+    NoLookup,
     /// The guest trapped: a bug in the component. The instance was
     /// discarded; every store write is one atomic import call, so nothing is
     /// half-written.
@@ -184,6 +192,8 @@ struct Shared {
     ctx: IdemCtx,
     /// The storage as given to the builder, for [`Engine::storage`].
     storage: Option<Arc<dyn Any + Send + Sync>>,
+    /// Whether a result lookup was registered ([`EngineBuilder::results`]).
+    has_lookup: bool,
     bounds: GuestBounds,
     /// Idle instances, reused across calls; an instance that trapped is
     /// never put back.
@@ -194,6 +204,7 @@ struct Shared {
 pub struct EngineBuilder {
     ctx: IdemCtxBuilder,
     storage: Option<Arc<dyn Any + Send + Sync>>,
+    has_lookup: bool,
     guest: Option<Vec<u8>>,
     memory_limit: usize,
     guest_deadline: Duration,
@@ -241,9 +252,11 @@ impl EngineBuilder {
     }
 
     /// The business-result lookup used by reconciliation. Without one,
-    /// reconciliation reports that it cannot tell.
+    /// [`Engine::reconcile`] refuses to run ([`Error::NoLookup`]), and a
+    /// `reconcile` policy answers that it cannot tell.
     pub fn results<R: ResultLookup>(mut self, results: R) -> Self {
         self.ctx = self.ctx.results(results);
+        self.has_lookup = true;
         self
     }
 
@@ -280,6 +293,7 @@ impl EngineBuilder {
             shared: Arc::new(Shared {
                 loaded,
                 storage: self.storage,
+                has_lookup: self.has_lookup,
                 ctx,
                 bounds: GuestBounds {
                     deadline: self.guest_deadline,
@@ -358,6 +372,7 @@ impl Engine {
         EngineBuilder {
             ctx: IdemCtx::builder(),
             storage: None,
+            has_lookup: false,
             guest: None,
             memory_limit: DEFAULT_MEMORY_LIMIT,
             guest_deadline: DEFAULT_GUEST_DEADLINE,
@@ -503,12 +518,24 @@ impl Engine {
     }
 
     /// Settles up to `limit` stale records of `biz_type`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoLookup`] when `limit` is above 0 and no result lookup is
+    /// registered: nothing is read or written (a `limit` of 0 only checks
+    /// the biz type and policy). Otherwise [`Error::Invalid`],
+    /// [`Error::Store`], [`Error::Corrupt`].
     pub fn reconcile(
         &self,
         biz_type: &str,
         policy: &Policy,
         limit: u32,
     ) -> Result<ReconcileReport, Error> {
+        // Without a lookup, every record would be taken over (fencing off
+        // an owner that may still complete) only to be put back.
+        if limit > 0 && !self.shared.has_lookup {
+            return Err(Error::NoLookup);
+        }
         let p = policy.clone().conv();
         self.call(None, |g, st| g.call_reconcile(st, biz_type, &p, limit))
             .map(Conv::conv)

@@ -8,6 +8,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{HeaderValue, StatusCode, header};
 
+use idem_engine::types::RecordKey;
+
 use super::Inner;
 use super::metrics::METRICS_CONTENT_TYPE;
 
@@ -18,10 +20,18 @@ pub(super) fn router(inner: Arc<Inner>) -> Router {
         .with_state(inner)
 }
 
-/// 200 `ok` when the store answers `count_by_status`, else 503.
+/// The key the health check reads: in no biz type a route can name (biz
+/// types are letters, digits and `-_.:`), so it never has a record.
+fn probe_key() -> RecordKey {
+    RecordKey::new("idem-health", "idem health probe", "probe")
+}
+
+/// 200 `ok` when the store answers, else 503. The probe is one read by the
+/// unique key, as cheap as a replay's (it used to count every record by
+/// status, a full-table scan on every probe).
 async fn healthz(State(inner): State<Arc<Inner>>) -> Response {
     let store = inner.store.clone();
-    let answer = tokio::task::spawn_blocking(move || store.count_by_status()).await;
+    let answer = tokio::task::spawn_blocking(move || store.get(&probe_key())).await;
     match answer {
         Ok(Ok(_)) => (StatusCode::OK, "ok").into_response(),
         Ok(Err(e)) => {

@@ -15,6 +15,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use super::{Proxy, ProxyConfig};
+use idem_engine::store::Op;
 use idem_engine::{Engine, FaultKind, MemoryStore};
 
 /// An upstream that counts its executions; `/slow` takes a second.
@@ -138,6 +139,9 @@ async fn a_store_failure_is_503_and_nothing_is_forwarded() {
     let health = send("GET", &format!("{admin}/healthz"), None).await;
     assert_eq!(health.status, StatusCode::OK);
     assert_eq!(health.text(), "ok");
+    // One read by key: no count, no scan.
+    assert_eq!(store.calls(Op::Get), 1);
+    assert_eq!(store.calls(Op::CountByStatus), 0);
 
     store.disconnect();
     let r = send("POST", &format!("{base}/orders"), Some("k")).await;
