@@ -99,3 +99,41 @@ fn a_call_over_the_memory_limit_writes_nothing_and_the_next_call_works() -> Resu
     );
     Ok(())
 }
+
+/// Without a result lookup, reconcile cannot tell whether an action took
+/// effect: it refuses, and writes nothing (no key taken over and put back
+/// under a new fencing token).
+#[test]
+fn reconcile_without_a_lookup_refuses_and_changes_nothing() -> Result<()> {
+    let store = MemoryStore::new();
+    let clock = idem::ManualClock::new(1_767_225_600_000);
+    let engine = Engine::builder()
+        .storage(store.clone())
+        .clock(clock.clone())
+        .build()?;
+    let policy = idem::Policy::default();
+    let req = idem::BeginRequest::json(
+        idem::RecordKey::new("tenant-1", "order.create", "k"),
+        "{}",
+        policy.clone(),
+    );
+    ensure!(matches!(engine.begin(&req)?, idem::Decision::Execute(_)));
+    clock.advance(policy.lease_ms);
+    let before = store.snapshot();
+    match engine.reconcile("order.create", &policy, 10) {
+        Err(Error::NoLookup) => {}
+        other => bail!("expected NoLookup, got {other:?}"),
+    }
+    match engine.spawn_reconciler(
+        vec![("order.create".into(), policy.clone())],
+        std::time::Duration::from_millis(1),
+        std::num::NonZeroU32::MIN,
+    ) {
+        Err(Error::NoLookup) => {}
+        other => bail!("expected NoLookup, got {other:?}"),
+    }
+    ensure!(store.snapshot() == before, "nothing was written");
+    // A limit of 0 only checks the policy, as the layer does at start.
+    ensure!(engine.reconcile("order.create", &policy, 0)?.examined == 0);
+    Ok(())
+}

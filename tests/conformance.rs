@@ -637,6 +637,44 @@ fn an_operator_settles_stuck_keys_and_only_those(h: &Harness) -> Result<()> {
     Ok(())
 }
 
+fn a_background_reconciler_settles_stale_records_by_policy(h: &Harness) -> Result<()> {
+    let p = policy();
+    let found = abandon(h, "found", &p)?;
+    abandon(h, "missing", &p)?;
+    unknown_outcome(h, &request("unknown", "{}"))?;
+    h.results.insert(&key("found"), "order-1");
+    h.clock.set(found.lease_until);
+    // Batches of one: the reconciler goes on until a batch comes back
+    // short, then waits for the next round.
+    let one = std::num::NonZeroU32::MIN;
+    let reconciler = h.engine.spawn_reconciler(
+        vec![("order.create".into(), p.clone())],
+        std::time::Duration::from_millis(5),
+        one,
+    )?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while reconciler.totals().rounds < 2 {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            reconciler.totals()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let totals = reconciler.stop();
+    ensure!(
+        totals.succeeded == 1 && totals.released == 1 && totals.errors == 0,
+        "{totals:?}"
+    );
+    // The unknown outcome is examined each round and left for an operator
+    // (outcome_unknown = manual): never released.
+    ensure!(totals.left_for_manual >= 2, "{totals:?}");
+    ensure!(status_of(h, "found")? == Some(Status::Succeeded));
+    ensure!(status_of(h, "missing")? == Some(Status::Released));
+    ensure!(status_of(h, "unknown")? == Some(Status::OutcomeUnknown));
+    Ok(())
+}
+
 fn reconcile_found_marks_succeeded(h: &Harness) -> Result<()> {
     let p = policy();
     let t = abandon(h, "k1", &p)?;
@@ -1000,6 +1038,7 @@ suite!(
     reconcile_lookup_error_leaves_record,
     outcome_unknown_is_reconciled,
     an_operator_settles_stuck_keys_and_only_those,
+    a_background_reconciler_settles_stale_records_by_policy,
     reconcile_respects_its_limit,
     expired_failures_are_replaced_too,
     impossible_records_are_reported_corrupt,

@@ -45,9 +45,9 @@ pub use idem_engine::{
     EngineBuilder, Error, ExpiredLease, Extension, Failure, FailureMode, FaultKind, GuestBounds,
     InProgressMode, InputField, InputRule, InsertOutcome, InvalidInput, KeyCharset, KeyFormat,
     KeyStatus, ManualClock, MemoryStore, MismatchInfo, PERF_MAP_VAR, Policy, ReconcileReport,
-    RecordKey, Replayed, Resolution, ResultLookup, RunOutcome, Settlement, Status, Storage,
-    StoreError, StoredRecord, StoredResponse, Success, SwapOutcome, SystemClock, Ticket, Timestamp,
-    Transaction, UnknownInfo, WaitSpec,
+    ReconcileTotals, Reconciler, RecordKey, Replayed, Resolution, ResultLookup, RunOutcome,
+    Settlement, Status, Storage, StoreError, StoredRecord, StoredResponse, Success, SwapOutcome,
+    SystemClock, Ticket, Timestamp, Transaction, UnknownInfo, WaitSpec,
 };
 pub use idem_engine::{api, bounds, clock, embed, engine, types};
 /// The HTTP idempotency layer (`idem-layer`).

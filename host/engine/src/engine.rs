@@ -517,6 +517,11 @@ impl Engine {
             .map(Conv::conv)
     }
 
+    /// Whether a result lookup is registered ([`EngineBuilder::results`]).
+    pub fn has_lookup(&self) -> bool {
+        self.shared.has_lookup
+    }
+
     /// Settles up to `limit` stale records of `biz_type`.
     ///
     /// # Errors

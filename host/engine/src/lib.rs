@@ -37,6 +37,7 @@ pub mod bounds;
 pub mod clock;
 pub mod embed;
 pub mod engine;
+pub mod reconciler;
 pub mod store;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
@@ -53,6 +54,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
     ActionResult, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup, RunOutcome, Transaction,
 };
+pub use reconciler::{ReconcileTotals, Reconciler};
 pub use store::{FaultKind, MemoryStore, Storage, StoreError};
 pub use types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, Success, SwapOutcome,
