@@ -1513,3 +1513,125 @@ fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
     ensure!(rec["status"] == "outcome-unknown", "{rec}");
     Ok(())
 }
+
+/// The operator endpoints of the admin listener: closed without a token,
+/// refused without the right bearer token, and with it the same list,
+/// inspect and settle as the CLI. An admin address other machines can
+/// reach is refused at start without a token.
+#[test]
+fn the_admin_operator_endpoints_need_the_token_and_settle_stuck_keys() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let up = Upstream::start()?;
+    let config = "upstream_timeout_ms = 300\n";
+    // Without a token: health and metrics only.
+    let closed = Serve::new(&up.url(), &dir.path().join("closed.db"))
+        .config(config)
+        .admin()
+        .start()?;
+    let admin = closed.admin.clone().context("admin url")?;
+    let r = Req::new("GET", &format!("{admin}/keys/stuck?biz=http")).send()?;
+    ensure!(r.status == 403, "{r:?}");
+    ensure!(Req::new("GET", &format!("{admin}/healthz")).send()?.status == 200);
+
+    let token = "s3cret-admin-token";
+    let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
+        .config(config)
+        .admin()
+        .admin_token(token)
+        .start()?;
+    let admin = proxy.admin.clone().context("admin url")?;
+    proxy
+        .post("/hang")
+        .key("k")
+        .json(BODY)
+        .send()?
+        .expect_problem(504, "outcome-unknown")?;
+    let stuck_url = format!("{admin}/keys/stuck?biz=http");
+    for bad in [None, Some("Bearer wrong"), Some(token)] {
+        let mut req = Req::new("GET", &stuck_url);
+        if let Some(value) = bad {
+            req = req.header("Authorization", value);
+        }
+        let r = req.send()?;
+        ensure!(r.status == 401, "{bad:?}: {r:?}");
+        ensure!(r.header("www-authenticate") == Some("Bearer"), "{r:?}");
+    }
+    let bearer = format!("Bearer {token}");
+    let stuck = Req::new("GET", &stuck_url)
+        .header("Authorization", &bearer)
+        .send()?;
+    ensure!(stuck.status == 200, "{stuck:?}");
+    let stuck = stuck.json()?;
+    ensure!(
+        stuck[0]["key"] == "k" && stuck[0]["status"] == "outcome-unknown",
+        "{stuck}"
+    );
+    let who = urlencode(TEST_CLIENT);
+    let rec = Req::new("GET", &format!("{admin}/keys?biz=http&key=k&auth={who}"))
+        .header("Authorization", &bearer)
+        .send()?
+        .json()?;
+    ensure!(rec["status"] == "outcome-unknown", "{rec}");
+    let settle = |body: serde_json::Value| {
+        Req::new("POST", &format!("{admin}/keys/settle"))
+            .header("Authorization", &bearer)
+            .json(&body.to_string())
+            .send()
+    };
+    let request = serde_json::json!({
+        "biz": "http", "key": "k", "auth": TEST_CLIENT, "as": "succeeded",
+        "status": 201, "headers": [["content-type", "application/json"]],
+        "body": "{\"order\":\"o-5\"}",
+    });
+    // A bad status is the engine's refusal, by field; nothing changes.
+    let mut bad = request.clone();
+    bad["status"] = 42.into();
+    let refused = settle(bad)?;
+    ensure!(refused.status == 422, "{refused:?}");
+    ensure!(refused.json()?["field"] == "success-result", "{refused:?}");
+    let done = settle(request.clone())?;
+    ensure!(done.status == 200, "{done:?}");
+    ensure!(done.json()?["settlement"] == "settled", "{done:?}");
+    let again = settle(request)?;
+    ensure!(
+        again.status == 409 && again.json()?["settlement"] == "not-stuck",
+        "{again:?}"
+    );
+    let replay = proxy.post("/hang").key("k").json(BODY).send()?;
+    ensure!(
+        replay.status == 201 && replay.text() == "{\"order\":\"o-5\"}",
+        "{replay:?}"
+    );
+    expect_total(&up, 1)?;
+
+    // Reachable from other machines without a token: refused at start.
+    let open = idem(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &up.url(),
+        "--db",
+        dir.path().join("open.db").to_str().context("path")?,
+        "--admin",
+        "0.0.0.0:0",
+    ])?;
+    ensure!(
+        !open.status.success() && open.stderr.contains("IDEM_ADMIN_TOKEN"),
+        "{open:?}"
+    );
+    Ok(())
+}
+
+/// `value` percent-encoded for a query string.
+fn urlencode(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

@@ -38,6 +38,7 @@
 
 #[cfg(feature = "middleware")]
 pub use idem_server::middleware;
+pub use idem_server::operator;
 pub use idem_server::proxy;
 
 pub use idem_engine::{

@@ -49,7 +49,10 @@ enum Command {
         /// The upstream, e.g. http://127.0.0.1:9000.
         #[arg(long)]
         upstream: String,
-        /// The address of the admin server (/healthz, /metrics); none by default.
+        /// The address of the admin server (/healthz, /metrics, and the
+        /// operator endpoints /keys/... for a bearer of the token in
+        /// IDEM_ADMIN_TOKEN); none by default. An address other machines can
+        /// reach needs IDEM_ADMIN_TOKEN set.
         #[arg(long)]
         admin: Option<String>,
         /// Threads that serve requests, each with its own listener on
@@ -320,6 +323,10 @@ fn open_postgres(_cli: &Cli) -> Result<Db> {
     )
 }
 
+/// The environment variable that holds the admin server's bearer token
+/// (an environment variable, not a flag: flags show in `ps`).
+const ADMIN_TOKEN_VAR: &str = "IDEM_ADMIN_TOKEN";
+
 fn run_serve(
     cli: &Cli,
     mut config: ProxyConfig,
@@ -343,7 +350,13 @@ fn run_serve(
     }
     let engine = db.engine(&config)?;
     let store = db.shared();
-    let proxy = Proxy::new(engine, store, config, upstream)?;
+    let mut proxy = Proxy::new(engine, store, config, upstream)?;
+    let admin_token = std::env::var(ADMIN_TOKEN_VAR)
+        .ok()
+        .filter(|t| !t.is_empty());
+    if let Some(token) = &admin_token {
+        proxy = proxy.with_admin_token(token.as_str());
+    }
     let workers = workers
         .or_else(|| std::thread::available_parallelism().ok())
         .map_or(1, std::num::NonZeroUsize::get);
@@ -395,6 +408,15 @@ fn serve_per_thread(proxy: Proxy, listen: &str, admin: Option<&str>, workers: us
         })?),
         None => None,
     };
+    if let Some(l) = &admin_listener
+        && !l.local_addr()?.ip().is_loopback()
+        && !proxy.has_admin_token()
+    {
+        bail!(
+            "--admin {} is reachable from other machines: set {ADMIN_TOKEN_VAR} to the bearer token its operator endpoints require",
+            l.local_addr()?
+        );
+    }
     let addr = first
         .block_on(tokio::net::lookup_host(listen))
         .with_context(|| format!("cannot resolve --listen {listen}"))?

@@ -1,5 +1,6 @@
 //! The operator's commands: find stuck keys, and settle one by a decision
-//! the engine cannot make (did the action take effect?).
+//! the engine cannot make (did the action take effect?). The rules are
+//! `idem::operator`'s, which the admin server uses too.
 //!
 //! A key is named by its biz type, its idempotency key and its scope. The
 //! scope can be given as stored (`--scope auth:<sha256>`) or as the client
@@ -10,17 +11,9 @@ use std::net::IpAddr;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use http::{HeaderMap, HeaderName, HeaderValue, header};
 use idem::clock::Clock;
-use idem::layer::config::AnonymousMode;
-use idem::{
-    Engine, Failure, RecordKey, Resolution, Settlement, Status, Storage, StoredRecord,
-    StoredResponse, Success, SystemClock,
-};
-
-/// The header name under which `--scope-value` is offered to the scope
-/// rules; any name gives the same `hdr:<value>` scope.
-const SCOPE_VALUE_HEADER: &str = "x-idem-scope";
+use idem::operator::{self, Client, SettleRequest, settlement_name};
+use idem::{Engine, RecordKey, Resolution, Settlement, Status, Storage, SystemClock};
 
 /// Who the key belongs to: exactly one of these.
 #[derive(Debug, Args)]
@@ -41,35 +34,19 @@ pub struct Who {
 }
 
 impl Who {
+    /// The client these flags name.
+    fn client(&self) -> Client {
+        Client {
+            scope: self.scope.clone(),
+            auth: self.auth.clone(),
+            scope_value: self.scope_value.clone(),
+            client_ip: self.client_ip,
+        }
+    }
+
     /// The stored scope.
     pub fn scope(&self) -> Result<String> {
-        if let Some(scope) = &self.scope {
-            return Ok(scope.clone());
-        }
-        let mut headers = HeaderMap::new();
-        let mut scope_header = None;
-        let mut anonymous = AnonymousMode::Reject;
-        if let Some(auth) = &self.auth {
-            let value =
-                HeaderValue::from_str(auth).context("--auth is not a valid header value")?;
-            headers.insert(header::AUTHORIZATION, value);
-        }
-        if let Some(value) = &self.scope_value {
-            let name = HeaderName::from_static(SCOPE_VALUE_HEADER);
-            let value = HeaderValue::from_str(value)
-                .context("--scope-value is not a valid header value")?;
-            headers.insert(name.clone(), value);
-            scope_header = Some(name);
-        }
-        if self.client_ip.is_some() {
-            anonymous = AnonymousMode::ClientAddress;
-        }
-        Ok(idem::layer::key::derive_scope(
-            &headers,
-            scope_header.as_ref(),
-            anonymous,
-            self.client_ip,
-        )?)
+        Ok(self.client().scope()?)
     }
 }
 
@@ -143,14 +120,8 @@ pub struct SettleArgs {
 }
 
 impl SettleArgs {
-    /// The response `--status`, `--header` and `--body` give, if any.
-    fn response(&self) -> Result<Option<StoredResponse>> {
-        let Some(status) = self.status else {
-            if !self.headers.is_empty() || self.body.is_some() {
-                bail!("--header and --body need --status");
-            }
-            return Ok(None);
-        };
+    /// The settlement these flags describe, as the admin server takes it.
+    fn request(&self) -> Result<SettleRequest> {
         let headers = self
             .headers
             .iter()
@@ -158,57 +129,36 @@ impl SettleArgs {
                 let (name, value) = h
                     .split_once(':')
                     .with_context(|| format!("--header '{h}' is not `name: value`"))?;
-                Ok((
-                    name.trim().to_ascii_lowercase(),
-                    value.trim().as_bytes().to_vec(),
-                ))
+                Ok((name.to_owned(), value.to_owned()))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Some(StoredResponse {
-            status,
+        let decision = match (self.decision.succeeded, self.decision.failed) {
+            (true, _) => operator::Decision::Succeeded,
+            (_, true) => operator::Decision::Failed,
+            _ => operator::Decision::Released,
+        };
+        Ok(SettleRequest {
+            biz: self.key.biz.clone(),
+            key: self.key.key.clone(),
+            client: self.key.who.client(),
+            decision,
+            status: self.status,
             headers,
-            body: self.body.clone().unwrap_or_default().into_bytes(),
-        }))
-    }
-
-    /// The resolution these arguments describe. The engine checks its
-    /// content (status range, sizes) and names the field it refuses.
-    pub fn resolution(&self) -> Result<Resolution> {
-        let response = self.response()?;
-        if self.decision.succeeded {
-            if response.is_none() && self.result_ref.is_none() {
-                bail!("--succeeded needs the response to replay (--status ...) or --result-ref");
-            }
-            return Ok(Resolution::Succeeded(Success {
-                result_ref: self.result_ref.clone(),
-                response,
-            }));
-        }
-        if self.decision.failed {
-            let code = self.code.clone().context("--failed needs --code")?;
-            return Ok(Resolution::Failed(Failure {
-                code,
-                message: self.message.clone(),
-                response,
-            }));
-        }
-        if response.is_some() || self.result_ref.is_some() || self.code.is_some() {
-            bail!("--release takes no response, --result-ref or --code");
-        }
-        Ok(Resolution::Released)
+            body: self.body.clone(),
+            result_ref: self.result_ref.clone(),
+            code: self.code.clone(),
+            message: self.message.clone(),
+        })
     }
 }
 
 /// Runs `idem settle` and prints what it did.
 pub fn settle(engine: &Engine, policy: &idem::Policy, args: &SettleArgs, json: bool) -> Result<()> {
-    let key = args.key.record_key()?;
-    let resolution = args.resolution()?;
+    let request = args.request()?;
+    let key = request.record_key()?;
+    let resolution = request.resolution()?;
     let settlement = engine.settle(&key, policy, &resolution)?;
-    let name = match settlement {
-        Settlement::Settled => "settled",
-        Settlement::Absent => "absent",
-        Settlement::NotStuck => "not-stuck",
-    };
+    let name = settlement_name(settlement);
     if json {
         println!(
             "{}",
@@ -253,49 +203,24 @@ fn resolution_status(r: &Resolution) -> &'static str {
 /// Runs `idem stuck`: the biz type's processing records whose lease has
 /// ended and its outcome-unknown records, oldest first.
 pub fn stuck(store: &dyn Storage, biz: &str, limit: u32, json: bool) -> Result<()> {
-    let now = SystemClock::new().now();
-    let records = store.list_stale(biz, now, limit)?;
+    let keys = idem::operator::stuck(store, biz, SystemClock::new().now(), limit)?;
     if json {
-        let rows: Vec<_> = records.iter().map(|r| row(r, now)).collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!("{}", serde_json::to_string_pretty(&keys)?);
         return Ok(());
     }
-    if records.is_empty() {
+    if keys.is_empty() {
         println!("no stuck keys of biz type '{biz}'");
     }
-    for r in &records {
+    for k in &keys {
         println!(
             "{}  scope {}  key {}  stuck for {} s  attempts {}  fencing token {}",
-            r.status.as_str(),
-            r.key.scope,
-            r.key.idem_key,
-            now.saturating_sub(stuck_since(r)) / 1000,
-            r.attempts,
-            r.fencing_token
+            k.status,
+            k.scope,
+            k.key,
+            k.stuck_ms / 1000,
+            k.attempts,
+            k.fencing_token
         );
     }
     Ok(())
-}
-
-/// When a stale record became stuck: its lease's end, or the report of its
-/// unknown outcome.
-fn stuck_since(r: &StoredRecord) -> u64 {
-    match r.status {
-        Status::Processing => r.lease_until.unwrap_or(r.updated_at),
-        _ => r.updated_at,
-    }
-}
-
-fn row(r: &StoredRecord, now: u64) -> serde_json::Value {
-    serde_json::json!({
-        "scope": r.key.scope,
-        "biz_type": r.key.biz_type,
-        "key": r.key.idem_key,
-        "status": r.status.as_str(),
-        "stuck_since": stuck_since(r),
-        "stuck_ms": now.saturating_sub(stuck_since(r)),
-        "attempts": r.attempts,
-        "fencing_token": r.fencing_token,
-        "failure": r.failure.as_ref().map(|f| &f.code),
-    })
 }

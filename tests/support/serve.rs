@@ -95,6 +95,7 @@ pub struct Serve {
     extra: Vec<String>,
     config: Option<String>,
     admin: bool,
+    admin_token: Option<String>,
 }
 
 impl Serve {
@@ -107,6 +108,7 @@ impl Serve {
             extra: Vec::new(),
             config: None,
             admin: false,
+            admin_token: None,
         }
     }
 
@@ -120,6 +122,7 @@ impl Serve {
             extra: vec!["--pg-schema".to_string(), schema.to_string()],
             config: None,
             admin: false,
+            admin_token: None,
         }
     }
 
@@ -139,6 +142,13 @@ impl Serve {
     /// Passes `--admin 127.0.0.1:0`.
     pub fn admin(mut self) -> Self {
         self.admin = true;
+        self
+    }
+
+    /// Sets `IDEM_ADMIN_TOKEN` for the proxy: the operator endpoints' token.
+    #[allow(dead_code)] // Not every suite uses the operator endpoints.
+    pub fn admin_token(mut self, token: &str) -> Self {
+        self.admin_token = Some(token.to_string());
         self
     }
 
@@ -170,6 +180,10 @@ impl Serve {
         }
         if self.admin {
             cmd.args(["--admin", "127.0.0.1:0"]);
+        }
+        cmd.env_remove("IDEM_ADMIN_TOKEN");
+        if let Some(token) = &self.admin_token {
+            cmd.env("IDEM_ADMIN_TOKEN", token);
         }
         start(cmd, self.admin)
     }

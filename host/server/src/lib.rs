@@ -10,4 +10,5 @@
 
 #[cfg(feature = "middleware")]
 pub mod middleware;
+pub mod operator;
 pub mod proxy;

@@ -74,6 +74,9 @@ pub enum ProxyError {
 struct Inner {
     store: Arc<dyn Storage>,
     metrics: Metrics,
+    /// The engine and its configuration, for the operator endpoints.
+    engine: Engine,
+    config: ProxyConfig,
 }
 
 /// The proxy: an [`IdempotencyLayer`] over the [`Upstream`]. Its routers
@@ -83,6 +86,8 @@ pub struct Proxy {
     layer: IdempotencyLayer,
     upstream: Upstream,
     inner: Arc<Inner>,
+    /// The bearer token the admin server's operator endpoints require.
+    admin_token: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for Proxy {
@@ -125,11 +130,14 @@ impl Proxy {
         let inner = Arc::new(Inner {
             store,
             metrics: layer.metrics().clone(),
+            engine: layer.engine().clone(),
+            config: layer.config().clone(),
         });
         Ok(Proxy {
             layer,
             upstream,
             inner,
+            admin_token: None,
         })
     }
 
@@ -150,9 +158,24 @@ impl Proxy {
         &self.layer
     }
 
-    /// The admin router: `GET /healthz` and `GET /metrics`.
+    /// The proxy with `token` as the bearer token of the admin server's
+    /// operator endpoints (`/keys/...`); without one they are refused.
+    pub fn with_admin_token(mut self, token: impl Into<Arc<str>>) -> Self {
+        self.admin_token = Some(token.into());
+        self
+    }
+
+    /// Whether the operator endpoints have a token ([`Proxy::with_admin_token`]).
+    pub fn has_admin_token(&self) -> bool {
+        self.admin_token.is_some()
+    }
+
+    /// The admin router: `GET /healthz` and `GET /metrics` for anyone, and
+    /// for an operator with the admin token (`Authorization: Bearer …`):
+    /// `GET /keys/stuck?biz=B[&limit=N]`, `GET /keys?biz=B&key=K&<client>`
+    /// and `POST /keys/settle` (see [`crate::operator`]).
     pub fn admin_router(&self) -> Router {
-        admin::router(self.inner.clone())
+        admin::router(self.inner.clone(), self.admin_token.clone())
     }
 
     /// The proxy's metrics.
