@@ -88,24 +88,19 @@ impl Pending {
     /// Pending outcomes also kept in the file at `path`, with those a
     /// previous run left there. A line that cannot be read is an error:
     /// an outcome is never dropped silently.
+    ///
+    /// Several processes may share one journal (proxies on one database
+    /// file): each change is made under an exclusive lock of
+    /// `<path>.lock`, and a process removes only the lines it stored. One
+    /// that starts takes over every outcome in the file, another live
+    /// process's included; storing an outcome twice is harmless (the
+    /// second `complete` finds it recorded).
     pub fn with_journal(path: PathBuf) -> Result<Self, JournalError> {
+        let entries = locked(&path, || read(&path))?;
         let mut held = HashMap::new();
-        match File::open(&path) {
-            Ok(file) => {
-                for (n, line) in BufReader::new(file).lines().enumerate() {
-                    let line = line.map_err(|e| JournalError::new(&path, e))?;
-                    if line.trim().is_empty() {
-                        continue;
-                    }
-                    let entry: Held = serde_json::from_str(&line).map_err(|e| {
-                        JournalError::new(&path, format!("line {} cannot be read: {e}", n + 1))
-                    })?;
-                    // A later line for the same key is the newer outcome.
-                    held.insert(entry.ticket.key.clone(), entry);
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(JournalError::new(&path, e)),
+        for entry in entries {
+            // A later line for the same key is the newer outcome.
+            held.insert(entry.ticket.key.clone(), entry);
         }
         Ok(Self {
             held: Mutex::new(held),
@@ -122,7 +117,7 @@ impl Pending {
     pub fn hold(&self, entry: Held) -> Result<(), JournalError> {
         let mut held = self.lock();
         if let Some(path) = &self.journal {
-            append(path, &entry)?;
+            locked(path, || append(path, &entry))?;
         }
         held.insert(entry.ticket.key.clone(), entry);
         Ok(())
@@ -153,10 +148,62 @@ impl Pending {
         }
         held.remove(&entry.ticket.key);
         match &self.journal {
-            Some(path) => rewrite(path, held.values()),
+            Some(path) => locked(path, || {
+                // This outcome, and any older one of the same ownership
+                // that it replaced, are done; another process's lines stay.
+                let mut lines = read(path)?;
+                lines.retain(|line| !superseded(line, entry));
+                rewrite(path, lines.iter())
+            }),
             None => Ok(()),
         }
     }
+}
+
+/// True when `line` is `stored` or an outcome it replaced: same record,
+/// same or an older fencing token.
+fn superseded(line: &Held, stored: &Held) -> bool {
+    let (l, s) = (&line.ticket, &stored.ticket);
+    l.key == s.key && l.record_id == s.record_id && l.fencing_token <= s.fencing_token
+}
+
+/// Runs `f` holding the exclusive lock of the journal at `path` (an
+/// advisory lock of `<path>.lock`, released when `f` returns).
+fn locked<T>(path: &Path, f: impl FnOnce() -> Result<T, JournalError>) -> Result<T, JournalError> {
+    let mut lock_path = path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock_path = PathBuf::from(lock_path);
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| JournalError::new(&lock_path, e))?;
+    lock.lock().map_err(|e| JournalError::new(&lock_path, e))?;
+    f()
+}
+
+/// Every entry in the journal at `path`, in order; none when it does not
+/// exist.
+fn read(path: &Path) -> Result<Vec<Held>, JournalError> {
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(JournalError::new(path, e)),
+    };
+    let mut entries = Vec::new();
+    for (n, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| JournalError::new(path, e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        entries.push(
+            serde_json::from_str(&line).map_err(|e| {
+                JournalError::new(path, format!("line {} cannot be read: {e}", n + 1))
+            })?,
+        );
+    }
+    Ok(entries)
 }
 
 /// Appends one entry as a JSON line and syncs it to disk.
@@ -242,6 +289,28 @@ mod tests {
         std::fs::write(&path, "not json\n").map_err(|e| JournalError::new(&path, e))?;
         let err = Pending::with_journal(path.clone()).expect_err("an unreadable line");
         assert!(err.to_string().contains("line 1"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
+    fn processes_sharing_a_journal_remove_only_what_they_stored() -> Result<(), JournalError> {
+        let dir = std::env::temp_dir().join(format!("idem-journal-2-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| JournalError::new(&dir, e))?;
+        let path = dir.join("outcomes");
+        let _ = std::fs::remove_file(&path);
+        let a = Pending::with_journal(path.clone())?;
+        let b = Pending::with_journal(path.clone())?;
+        a.hold(held("a", "x"))?;
+        b.hold(held("b", "y"))?;
+        // `b` settles its own outcome: `a`'s stays on disk.
+        b.settled(&held("b", "y"))?;
+        assert_eq!(
+            Pending::with_journal(path.clone())?.all(),
+            vec![held("a", "x")]
+        );
+        a.settled(&held("a", "x"))?;
+        assert_eq!(Pending::with_journal(path.clone())?.len(), 0);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
