@@ -1393,8 +1393,7 @@ fn an_answer_the_database_could_not_take_survives_sigkill_and_is_replayed() -> R
 fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
     let w = World::start(Some("upstream_timeout_ms = 300\n"))?;
     for k in ["paid", "not-paid"] {
-        let r = w.proxy.post("/hang").key(k).json(BODY).send()?;
-        r.expect_problem(504, "outcome-unknown")?;
+        time_out(&w.proxy, k)?;
     }
     expect_total(&w.up, 2)?;
     let stuck = idem_ok(&["stuck", "--db", w.db(), "--biz", "http", "--json"])?.json()?;
@@ -1540,12 +1539,7 @@ fn the_admin_operator_endpoints_need_the_token_and_settle_stuck_keys() -> Result
         .admin_token(token)
         .start()?;
     let admin = proxy.admin.clone().context("admin url")?;
-    proxy
-        .post("/hang")
-        .key("k")
-        .json(BODY)
-        .send()?
-        .expect_problem(504, "outcome-unknown")?;
+    time_out(&proxy, "k")?;
     let stuck_url = format!("{admin}/keys/stuck?biz=http");
     for bad in [None, Some("Bearer wrong"), Some(token)] {
         let mut req = Req::new("GET", &stuck_url);
@@ -1634,4 +1628,58 @@ fn urlencode(value: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+/// Stuck keys are visible: each sweep counts them into `idem_stuck_keys`,
+/// and settling one takes it off the count.
+#[test]
+fn stuck_keys_are_counted_on_the_metrics_until_settled() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = dir.path().join("idem.db");
+    let up = Upstream::start()?;
+    let proxy = Serve::new(&up.url(), &db)
+        .config("upstream_timeout_ms = 300\nsweep_interval_ms = 20\n")
+        .admin()
+        .start()?;
+    let admin = proxy.admin.clone().context("admin url")?;
+    let metric = |n: u32| format!("idem_stuck_keys{{status=\"outcome-unknown\"}} {n}");
+    let wait_for = |wanted: &str| -> Result<()> {
+        let deadline = Instant::now() + ARRIVAL;
+        loop {
+            let text = Req::new("GET", &format!("{admin}/metrics")).send()?.text();
+            if text.contains(wanted) {
+                return Ok(());
+            }
+            ensure!(Instant::now() < deadline, "no `{wanted}` in:\n{text}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_for(&metric(0))?;
+    time_out(&proxy, "k")?;
+    wait_for(&metric(1))?;
+    idem_ok(&[
+        "settle",
+        "--db",
+        db.to_str().context("path")?,
+        "--auth",
+        TEST_CLIENT,
+        "--biz",
+        "http",
+        "--key",
+        "k",
+        "--release",
+    ])?;
+    wait_for(&metric(0))
+}
+
+/// Leaves key `k` outcome-unknown: its request times out at the upstream
+/// (`upstream_timeout_ms` below the `/hang` endpoint's wait).
+fn time_out(proxy: &serve::Proxy, k: &str) -> Result<()> {
+    proxy
+        .post("/hang")
+        .key(k)
+        .json(BODY)
+        .send()?
+        .expect_problem(504, "outcome-unknown")?;
+    Ok(())
 }

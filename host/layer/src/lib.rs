@@ -221,6 +221,20 @@ impl IdempotencyLayer {
             .map(|r| r.biz_type.as_str())
     }
 
+    /// Every biz type a request can be given: the routes' and the
+    /// defaults', once each.
+    pub fn biz_types(&self) -> Vec<String> {
+        let mut all: Vec<String> = self
+            .shared
+            .routes
+            .all()
+            .map(|r| r.biz_type.clone())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
     /// Waits for every claimed request still in flight (including those
     /// whose client hung up) to store its outcome. Call at shutdown, after
     /// the server stopped taking requests.

@@ -20,6 +20,12 @@ struct DecisionLabel {
     decision: &'static str,
 }
 
+/// The label of `idem_stuck_keys`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StuckLabel {
+    status: &'static str,
+}
+
 /// The labels `idem_requests_total` counts: the engine's decisions, plus
 /// `passthrough` (forwarded without a key) and `error` (the engine could not
 /// decide, or the proxy refused the request before asking it).
@@ -44,6 +50,7 @@ pub struct Metrics {
     mismatches: Counter,
     store_errors: Counter,
     pending_outcomes: Gauge,
+    stuck: Family<StuckLabel, Gauge>,
     upstream_duration: Histogram,
 }
 
@@ -68,6 +75,7 @@ impl Metrics {
         let mismatches = Counter::default();
         let store_errors = Counter::default();
         let pending_outcomes = Gauge::default();
+        let stuck = Family::<StuckLabel, Gauge>::default();
         // 5 ms to about 41 s.
         let upstream_duration = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         registry.register(
@@ -96,6 +104,14 @@ impl Metrics {
             pending_outcomes.clone(),
         );
         registry.register(
+            "idem_stuck_keys",
+            "Keys waiting for an operator or a lookup: in progress past their lease (status processing) or outcome-unknown; counted at each sweep",
+            stuck.clone(),
+        );
+        for status in ["processing", "outcome-unknown"] {
+            let _ = stuck.get_or_create(&StuckLabel { status });
+        }
+        registry.register(
             "idem_upstream_duration_seconds",
             "Time the upstream took to answer",
             upstream_duration.clone(),
@@ -111,6 +127,7 @@ impl Metrics {
             mismatches,
             store_errors,
             pending_outcomes,
+            stuck,
             upstream_duration,
         }
     }
@@ -141,6 +158,19 @@ impl Metrics {
     pub fn pending_outcomes(&self, held: usize) {
         self.pending_outcomes
             .set(i64::try_from(held).unwrap_or(i64::MAX));
+    }
+
+    /// Sets how many keys are stuck: in progress past their lease, and
+    /// outcome-unknown.
+    pub fn stuck_keys(&self, processing: u64, outcome_unknown: u64) {
+        for (status, n) in [
+            ("processing", processing),
+            ("outcome-unknown", outcome_unknown),
+        ] {
+            self.stuck
+                .get_or_create(&StuckLabel { status })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
     }
 
     /// Records how long the upstream took.

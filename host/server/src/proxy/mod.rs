@@ -56,6 +56,10 @@ pub use idem_engine::store::SharedStorage;
 use idem_engine::{Engine, Error, Storage};
 use idem_layer::IdempotencyLayer;
 
+/// The most stuck keys counted per biz type and sweep: enough to see a
+/// problem grow, few enough that a count stays one bounded, indexed read.
+pub const STUCK_COUNT_LIMIT: u32 = 10_000;
+
 /// Why the proxy could not be built or could not serve.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -222,8 +226,38 @@ impl Proxy {
         }
     }
 
+    /// Counts the stuck keys of every biz type (in progress past their
+    /// lease, and outcome-unknown; at most [`STUCK_COUNT_LIMIT`] per biz
+    /// type, both kinds together) and sets `idem_stuck_keys`.
+    ///
+    /// # Errors
+    ///
+    /// The store's.
+    pub async fn count_stuck(&self) -> Result<(u64, u64), Error> {
+        let store = self.inner.store.clone();
+        let biz_types = self.layer.biz_types();
+        let counted = tokio::task::spawn_blocking(move || -> Result<(u64, u64), Error> {
+            let now = idem_engine::clock::Clock::now(&idem_engine::SystemClock::new());
+            let (mut processing, mut unknown) = (0, 0);
+            for biz_type in &biz_types {
+                for record in store.list_stale(biz_type, now, STUCK_COUNT_LIMIT)? {
+                    match record.status {
+                        idem_engine::types::Status::OutcomeUnknown => unknown += 1,
+                        _ => processing += 1,
+                    }
+                }
+            }
+            Ok((processing, unknown))
+        })
+        .await
+        .map_err(|e| Error::Trap(format!("the count did not finish: {e}")))??;
+        self.metrics().stuck_keys(counted.0, counted.1);
+        Ok(counted)
+    }
+
     /// Starts the background sweep every `sweep_interval_ms`; `None` when
-    /// it is disabled (0). Abort the task to stop it: a batch already
+    /// it is disabled (0). Each sweep also counts the stuck keys
+    /// ([`Proxy::count_stuck`]). Abort the task to stop it: a batch already
     /// started finishes on its blocking thread, and is one atomic delete.
     pub fn spawn_sweeper(&self) -> Option<tokio::task::JoinHandle<()>> {
         let interval = self.config().sweep_interval_ms;
@@ -238,6 +272,15 @@ impl Proxy {
                     Ok(0) => tracing::debug!("sweep: nothing expired"),
                     Ok(n) => tracing::info!(deleted = n, "sweep: expired keys deleted"),
                     Err(e) => tracing::warn!(error = %e, "sweep failed"),
+                }
+                match proxy.count_stuck().await {
+                    Ok((0, 0)) => {}
+                    Ok((processing, outcome_unknown)) => tracing::warn!(
+                        processing,
+                        outcome_unknown,
+                        "keys are stuck until an operator settles them (idem stuck, idem settle)"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "counting the stuck keys failed"),
                 }
             }
         }))
