@@ -12,8 +12,8 @@ use std::net::IpAddr;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use idem::clock::Clock;
-use idem::operator::{self, Client, SettleRequest, settlement_name};
-use idem::{Engine, RecordKey, Resolution, Settlement, Status, Storage, SystemClock};
+use idem::operator::{self, Client, SettleRequest};
+use idem::{Engine, RecordKey, Storage, SystemClock};
 
 /// Who the key belongs to: exactly one of these.
 #[derive(Debug, Args)]
@@ -155,48 +155,35 @@ impl SettleArgs {
 /// Runs `idem settle` and prints what it did.
 pub fn settle(engine: &Engine, policy: &idem::Policy, args: &SettleArgs, json: bool) -> Result<()> {
     let request = args.request()?;
-    let key = request.record_key()?;
-    let resolution = request.resolution()?;
-    let settlement = engine.settle(&key, policy, &resolution)?;
-    let name = settlement_name(settlement);
+    let report = operator::settle(
+        engine,
+        policy,
+        request.record_key()?,
+        &request.resolution()?,
+    )?;
     if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else if report.settled() {
         println!(
-            "{}",
-            serde_json::json!({
-                "settlement": name,
-                "scope": key.scope, "biz_type": key.biz_type, "key": key.idem_key,
-                "status": engine.inspect(&key)?.map(|s| s.status.as_str()),
-            })
+            "settled: key '{}' is now {}",
+            report.key,
+            report.status.unwrap_or("-")
+        );
+    } else if report.settlement == "absent" {
+        println!(
+            "no record (or only an expired one) for key '{}' in scope '{}'",
+            report.key, report.scope
         );
     } else {
-        match settlement {
-            Settlement::Settled => println!(
-                "settled: key '{}' is now {}",
-                key.idem_key,
-                resolution_status(&resolution)
-            ),
-            Settlement::Absent => println!(
-                "no record for key '{}' in scope '{}'",
-                key.idem_key, key.scope
-            ),
-            Settlement::NotStuck => println!(
-                "key '{}' is not stuck (in progress under a live lease, or settled): nothing changed",
-                key.idem_key
-            ),
-        }
+        println!(
+            "key '{}' is not stuck (in progress under a live lease, or settled): nothing changed",
+            report.key
+        );
     }
-    if settlement == Settlement::Settled {
+    if report.settled() {
         Ok(())
     } else {
-        bail!("nothing was settled ({name})")
-    }
-}
-
-fn resolution_status(r: &Resolution) -> &'static str {
-    match r {
-        Resolution::Succeeded(_) => Status::Succeeded.as_str(),
-        Resolution::Failed(_) => Status::Failed.as_str(),
-        Resolution::Released => Status::Released.as_str(),
+        bail!("nothing was settled ({})", report.settlement)
     }
 }
 

@@ -12,7 +12,8 @@ use http::{HeaderMap, HeaderName, HeaderValue, header};
 use serde::{Deserialize, Serialize};
 
 use idem_engine::StoreError;
-use idem_engine::api::{Resolution, Settlement};
+use idem_engine::api::{Policy, Resolution, Settlement};
+use idem_engine::engine::{Engine, Error};
 use idem_engine::store::Storage;
 use idem_engine::types::{
     Failure, RecordKey, Status, StoredRecord, StoredResponse, Success, Timestamp,
@@ -287,8 +288,54 @@ impl SettleRequest {
     }
 }
 
-/// The name of a settlement, as the CLI and the admin server report it.
-pub fn settlement_name(s: Settlement) -> &'static str {
+/// What a settlement did, as `idem settle --json` and `POST /keys/settle`
+/// report it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SettleReport {
+    /// `settled`, `absent` or `not-stuck`.
+    pub settlement: &'static str,
+    /// The key's scope.
+    pub scope: String,
+    /// Its biz type.
+    pub biz_type: String,
+    /// The idempotency key.
+    pub key: String,
+    /// The key's status afterwards; none without a record.
+    pub status: Option<&'static str>,
+}
+
+impl SettleReport {
+    /// True when the key was settled as asked.
+    pub fn settled(&self) -> bool {
+        self.settlement == settlement_name(Settlement::Settled)
+    }
+}
+
+/// Settles `request` with `engine` under `policy` (the engine decides
+/// whether the key is stuck) and reports the key's status afterwards.
+///
+/// # Errors
+///
+/// The engine's: [`Error::Invalid`] naming the field of the resolution it
+/// refused, [`Error::Store`], [`Error::Corrupt`].
+pub fn settle(
+    engine: &Engine,
+    policy: &Policy,
+    key: RecordKey,
+    resolution: &Resolution,
+) -> Result<SettleReport, Error> {
+    let settlement = engine.settle(&key, policy, resolution)?;
+    let status = engine.inspect(&key)?.map(|s| s.status.as_str());
+    Ok(SettleReport {
+        settlement: settlement_name(settlement),
+        scope: key.scope,
+        biz_type: key.biz_type,
+        key: key.idem_key,
+        status,
+    })
+}
+
+fn settlement_name(s: Settlement) -> &'static str {
     match s {
         Settlement::Settled => "settled",
         Settlement::Absent => "absent",

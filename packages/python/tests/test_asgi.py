@@ -10,8 +10,7 @@ from starlette.testclient import TestClient
 
 from idem import IdempotencyMiddleware
 
-KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
-TYPE = "tag:idem.invalid,2026:problems/"
+from http_client import KEY, post, problem
 
 
 def make_app(env, **options):
@@ -48,24 +47,6 @@ def make_app(env, **options):
     ])
     app.add_middleware(IdempotencyMiddleware, idem=env.idem, **options)
     return app, counts
-
-
-def post(client, path, key=None, auth="Bearer alice-token", body='{"sku":"A1","qty":2}', ctype="application/json"):
-    headers = {"content-type": ctype}
-    if key is not None:
-        headers["idempotency-key"] = key
-    if auth is not None:
-        headers["authorization"] = auth
-    return client.post(path, content=body, headers=headers)
-
-
-def problem(res, status, slug, title):
-    assert res.status_code == status
-    assert res.headers["content-type"] == "application/problem+json"
-    assert res.headers["cache-control"] == "no-store"
-    body = res.json()
-    assert body["type"] == TYPE + slug and body["title"] == title and body["status"] == status
-    return body
 
 
 def test_the_readme_curl_session(env):

@@ -14,10 +14,7 @@ from pydantic import BaseModel
 from idem import IdempotencyMiddleware
 from idem import http as rules
 
-KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
-TYPE = "tag:idem.invalid,2026:problems/"
-AUTH = "Bearer alice-token"
-ORDER = {"sku": "A1", "qty": 2}
+from http_client import AUTH, KEY, ORDER, post, problem
 
 
 class Order(BaseModel):
@@ -62,27 +59,6 @@ def make_app(env, **options):
 
     app.add_middleware(IdempotencyMiddleware, idem=env.idem, **options)
     return app, counts, received
-
-
-def post(client, path, key=None, auth=AUTH, body=None, ctype="application/json"):
-    headers = {"content-type": ctype}
-    if key is not None:
-        headers["idempotency-key"] = key
-    if auth is not None:
-        headers["authorization"] = auth
-    if body is None:
-        body = ORDER
-    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return client.post(path, content=content, headers=headers)
-
-
-def problem(res, status, slug, title):
-    assert res.status_code == status
-    assert res.headers["content-type"] == "application/problem+json"
-    assert res.headers["cache-control"] == "no-store"
-    body = res.json()
-    assert body["type"] == TYPE + slug and body["title"] == title and body["status"] == status
-    return body
 
 
 def status_of(env, key):

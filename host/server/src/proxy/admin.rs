@@ -239,33 +239,21 @@ async fn settle(
     };
     let policy = admin.inner.config.policy_for(&request.biz);
     let engine = admin.inner.engine.clone();
-    let answer = blocking(move || {
-        let settlement = engine.settle(&key, &policy, &resolution)?;
-        let status = engine.inspect(&key)?.map(|s| s.status);
-        Ok((settlement, key, status))
-    })
-    .await;
-    match answer {
-        Ok((settlement, key, status)) => {
-            let name = operator::settlement_name(settlement);
-            let code = if name == "settled" {
+    match blocking(move || operator::settle(&engine, &policy, key, &resolution)).await {
+        Ok(report) => {
+            tracing::info!(
+                settlement = report.settlement,
+                scope = %report.scope,
+                biz_type = %report.biz_type,
+                key = %report.key,
+                "an operator settled a key"
+            );
+            let code = if report.settled() {
                 StatusCode::OK
             } else {
                 StatusCode::CONFLICT
             };
-            tracing::info!(
-                settlement = name,
-                scope = %key.scope,
-                biz_type = %key.biz_type,
-                key = %key.idem_key,
-                "an operator settled a key"
-            );
-            let body = serde_json::json!({
-                "settlement": name,
-                "scope": key.scope, "biz_type": key.biz_type, "key": key.idem_key,
-                "status": status.map(|s| s.as_str()),
-            });
-            (code, Json(body)).into_response()
+            (code, Json(report)).into_response()
         }
         Err(refused) => refused,
     }

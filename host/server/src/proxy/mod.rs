@@ -53,6 +53,7 @@ pub use problem::{Problem, ProblemType};
 pub use server::{ServeOptions, serve_with};
 
 pub use idem_engine::store::SharedStorage;
+use idem_engine::types::Status;
 use idem_engine::{Engine, Error, Storage};
 use idem_layer::IdempotencyLayer;
 
@@ -240,10 +241,12 @@ impl Proxy {
             let now = idem_engine::clock::Clock::now(&idem_engine::SystemClock::new());
             let (mut processing, mut unknown) = (0, 0);
             for biz_type in &biz_types {
-                for record in store.list_stale(biz_type, now, STUCK_COUNT_LIMIT)? {
-                    match record.status {
-                        idem_engine::types::Status::OutcomeUnknown => unknown += 1,
-                        _ => processing += 1,
+                for key in crate::operator::stuck(store.as_ref(), biz_type, now, STUCK_COUNT_LIMIT)?
+                {
+                    if key.status == Status::OutcomeUnknown.as_str() {
+                        unknown += 1;
+                    } else {
+                        processing += 1;
                     }
                 }
             }
