@@ -318,21 +318,41 @@ fn killed_database_connections_never_execute_a_key_twice_and_the_proxies_recover
         fates.len()
     );
 
-    // The connections are back: every fresh key succeeds at the first try,
-    // on either proxy.
+    // The connections are back: every fresh key succeeds and runs once, on
+    // either proxy. A pooled connection killed less than the pool's
+    // check window (`DEFAULT_CHECK_AFTER_IDLE`, 500 ms) after it was last
+    // used is handed out unchecked and fails one operation with 503 before
+    // the pool drops it (the documented cost of the window; the last kill
+    // is often only ~150 ms before this loop). So each key may get 503s,
+    // but no more in all than the two pools hold connections, and a 503 is
+    // never an execution.
+    let pooled = 2 * usize::try_from(idem::PostgresOptions::default().pool_size)?;
+    let mut late_unavailable = 0;
     for i in 0..20 {
         let key = format!("after-{i}");
-        let r = hosts.proxies[i % 2]
-            .post("/orders")
-            .key(&key)
-            .json(BODY)
-            .send()?;
+        let r = loop {
+            let r = hosts.proxies[i % 2]
+                .post("/orders")
+                .key(&key)
+                .json(BODY)
+                .send()?;
+            if r.status != 503 {
+                break r;
+            }
+            r.expect_problem(503, "store-unavailable")?;
+            ensure!(hosts.up.count_for(&key) == 0, "{key}: 503 after executing");
+            late_unavailable += 1;
+            ensure!(
+                late_unavailable <= pooled,
+                "{late_unavailable} 503s after the faults: more than the pools' {pooled} connections"
+            );
+        };
         r.expect_status(201)?;
         ensure!(!r.replayed() && hosts.up.count_for(&key) == 1, "{key}");
     }
     println!(
         "faults: {} kills ({} connections), {} keys: {done} done, {blocked} blocked; \
-         {} answers 503; upstream executions: {}",
+         {} answers 503 ({late_unavailable} after the faults); upstream executions: {}",
         killed.len(),
         killed.iter().sum::<i64>(),
         fates.len(),

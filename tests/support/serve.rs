@@ -371,9 +371,27 @@ impl Drop for Proxy {
         let _ = self.kill();
         let err = self.stderr.finish();
         if !err.is_empty() {
-            eprintln!("--- idem serve (pid {}) stderr:\n{err}", self.pid);
+            eprintln!("--- idem serve (pid {}) stderr:\n{}", self.pid, tail(&err));
         }
     }
+}
+
+/// How many of a child's last stderr lines a failing test shows: enough
+/// for the events that led to the failure, few enough that a CI log cut to
+/// its head and tail still shows the test's own error after them.
+const STDERR_TAIL_LINES: usize = 40;
+
+/// The last [`STDERR_TAIL_LINES`] lines of `text`, saying how many were left
+/// out.
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let skip = lines.len().saturating_sub(STDERR_TAIL_LINES);
+    let mut out = String::new();
+    if skip > 0 {
+        out.push_str(&format!("[{skip} earlier lines left out]\n"));
+    }
+    out.push_str(&lines[skip..].join("\n"));
+    out
 }
 
 /// The output of one CLI command.
