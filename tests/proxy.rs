@@ -98,6 +98,15 @@ fn expect_no_hop_headers(r: &Resp) -> Result<()> {
     Ok(())
 }
 
+fn expect_runs(up: &Upstream, key: &str, n: usize) -> Result<()> {
+    let runs = up.count_for(key);
+    ensure!(
+        runs == n,
+        "key {key}: the upstream ran {runs} times, not {n}"
+    );
+    Ok(())
+}
+
 fn expect_total(up: &Upstream, n: usize) -> Result<()> {
     let total = up.total();
     ensure!(
@@ -1681,5 +1690,222 @@ fn time_out(proxy: &serve::Proxy, k: &str) -> Result<()> {
         .json(BODY)
         .send()?
         .expect_problem(504, "outcome-unknown")?;
+    Ok(())
+}
+
+/// Sends `path` (an upstream path that hangs on a key's first execution)
+/// with key `k`: the upstream timeout leaves its outcome unknown (504).
+fn hang_once(proxy: &serve::Proxy, path: &str, k: &str) -> Result<()> {
+    proxy
+        .post(path)
+        .key(k)
+        .json(BODY)
+        .send()?
+        .expect_problem(504, "outcome-unknown")?;
+    Ok(())
+}
+
+/// Retries `path` with key `k` until the lease of the first attempt has
+/// ended on the system clock (the answer is no longer 409 "in progress" or
+/// 409 "outcome-unknown" within a lease), at most 10 s; returns that answer.
+fn retry_until_not_blocked(w: &World, path: &str, k: &str) -> Result<Resp> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = w.proxy.post(path).key(k).json(BODY).send()?;
+        if r.status != 409 {
+            return Ok(r);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{k}: still 409 after 10 s: {}",
+            r.text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Seed step 5 with a business lookup: an upstream timeout leaves the
+/// outcome unknown; once the lease ends, the retry asks the route's lookup,
+/// which finds the order the first attempt created. The key is settled
+/// with the lookup's answer and replays it; the upstream ran once.
+#[test]
+fn an_unknown_outcome_is_settled_by_the_lookup_and_never_runs_twice() -> Result<()> {
+    let w = World::start_with(|up| {
+        format!(
+            "upstream_timeout_ms = 300\n[defaults]\nlease_ms = 1000\n\
+             outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup/{{key}}\"\n"
+        )
+    })?;
+    time_out(&w.proxy, "k")?;
+    expect_total(&w.up, 1)?;
+    w.proxy
+        .post("/hang")
+        .key("k")
+        .json(BODY)
+        .send()?
+        .expect_problem(409, "outcome-unknown")?;
+    let r = retry_until_not_blocked(&w, "/hang", "k")?;
+    r.expect_status(200)?;
+    ensure!(r.replayed(), "the lookup's answer is replayed: {r:?}");
+    ensure!(r.header("x-order-id") == Some("ord-1"), "{r:?}");
+    ensure!(r.json()?["found"] == true, "{}", r.text());
+    let again = w.proxy.post("/hang").key("k").json(BODY).send()?;
+    expect_replay_of(&again, &r)?;
+    expect_runs(&w.up, "k", 1)?;
+    Ok(())
+}
+
+/// The lookup answers 404 (the action did not take effect): the retry
+/// after the lease executes, once; a lookup that cannot tell (503) keeps
+/// the key blocked, never executed.
+#[test]
+fn a_lookup_that_finds_nothing_lets_the_retry_run_once_and_one_that_cannot_tell_blocks()
+-> Result<()> {
+    let w = World::start_with(|up| {
+        format!(
+            "upstream_timeout_ms = 300\n[defaults]\nlease_ms = 1000\n\
+             outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup-none/{{key}}\"\n\
+             [[routes]]\npath = \"/down/*\"\nbiz_type = \"down\"\n\
+             lookup = \"{up}/lookup-down/{{key}}\"\n"
+        )
+    })?;
+    hang_once(&w.proxy, "/hang-once", "k")?;
+    let r = retry_until_not_blocked(&w, "/hang-once", "k")?;
+    expect_fresh(&r, 201)?;
+    expect_runs(&w.up, "k", 2)?;
+    expect_replay_of(&w.proxy.post("/hang-once").key("k").json(BODY).send()?, &r)?;
+    expect_runs(&w.up, "k", 2)?;
+
+    hang_once(&w.proxy, "/down/hang-once", "d")?;
+    let r = retry_until_not_blocked(&w, "/down/hang-once", "d")?;
+    r.expect_problem(503, "store-unavailable")?;
+    for _ in 0..3 {
+        w.proxy
+            .post("/down/hang-once")
+            .key("d")
+            .json(BODY)
+            .send()?
+            .expect_problem(503, "store-unavailable")?;
+    }
+    expect_runs(&w.up, "d", 1)?;
+    Ok(())
+}
+
+/// Under "manual", `idem reconcile` (and the sweep) settle a stuck key
+/// through the lookup; a biz type without a lookup is refused, not
+/// "reconciled" into a changed record.
+#[test]
+fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
+    let up_url = std::cell::RefCell::new(String::new());
+    let w = World::start_with(|up| {
+        *up_url.borrow_mut() = up.to_owned();
+        "upstream_timeout_ms = 300\n[defaults]\nlease_ms = 1000\n".to_owned()
+    })?;
+    time_out(&w.proxy, "k")?;
+    let dir = tempfile::tempdir()?;
+    let without = dir.path().join("without.toml");
+    std::fs::write(&without, "[defaults]\nlease_ms = 1000\n")?;
+    let refused = idem(&[
+        "reconcile",
+        "--db",
+        w.db(),
+        "--config",
+        without.to_str().context("utf-8")?,
+        "--biz",
+        "http",
+    ])?;
+    ensure!(
+        !refused.status.success() && refused.stderr.contains("has no lookup"),
+        "{refused:?}"
+    );
+    let with = dir.path().join("with.toml");
+    std::fs::write(
+        &with,
+        format!(
+            "[defaults]\nlease_ms = 1000\nlookup = \"{}/lookup/{{key}}\"\n",
+            up_url.borrow()
+        ),
+    )?;
+    // The key is examined once the lease of the attempt that reported it
+    // has ended (system clock); until then, and after it, "manual" answers
+    // 409.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let report = loop {
+        w.proxy
+            .post("/hang")
+            .key("k")
+            .json(BODY)
+            .send()?
+            .expect_problem(409, "outcome-unknown")?;
+        let report = idem_ok(&[
+            "reconcile",
+            "--db",
+            w.db(),
+            "--config",
+            with.to_str().context("utf-8")?,
+            "--biz",
+            "http",
+            "--json",
+        ])?
+        .json()?;
+        if report["examined"] != 0 || Instant::now() > deadline {
+            break report;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    ensure!(
+        report["succeeded"] == 1 && report["examined"] == 1,
+        "{report}"
+    );
+    let r = w.proxy.post("/hang").key("k").json(BODY).send()?;
+    r.expect_status(200)?;
+    ensure!(
+        r.replayed() && r.header("x-order-id") == Some("ord-1"),
+        "{r:?}"
+    );
+    expect_runs(&w.up, "k", 1)?;
+    Ok(())
+}
+
+/// A stuck key is bounded: past `stuck_retention_ms` the sweep logs it
+/// (naming the key) and releases it, and the next request runs again.
+#[test]
+fn a_stuck_key_past_its_retention_is_reported_and_released() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let up = Upstream::start()?;
+    let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
+        .admin()
+        .config(
+            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n\
+             [defaults]\nlease_ms = 500\nstuck_retention_ms = 1\n",
+        )
+        .start()?;
+    hang_once(&proxy, "/hang-once", "k")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let r = loop {
+        let r = proxy.post("/hang-once").key("k").json(BODY).send()?;
+        if r.status != 409 || Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    expect_fresh(&r, 201)?;
+    expect_runs(&up, "k", 2)?;
+    let log = proxy.stderr();
+    ensure!(
+        log.contains("stuck_retention_ms") && log.contains("key=k"),
+        "the release is reported: {log}"
+    );
+    let metrics = ureq::get(&format!(
+        "{}/metrics",
+        proxy.admin.as_deref().context("admin")?
+    ))
+    .call()?
+    .into_body()
+    .read_to_string()?;
+    ensure!(
+        metrics.contains("idem_stuck_keys_expired_total 1"),
+        "{metrics}"
+    );
     Ok(())
 }

@@ -49,7 +49,7 @@ impl Env for Imports {
     ) -> Result<Vec<StoredRecord>, StoreError> {
         store::list_stale(biz_type, now, limit)
     }
-    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
+    fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError> {
         results::find_result(key)
     }
 }

@@ -81,7 +81,24 @@ pub trait Env {
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError>;
     /// `results.find-result`.
-    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError>;
+    fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError>;
+}
+
+/// Asks the host for the business result of `key` ([`Env::find_result`]).
+/// A result that breaks the rules of `complete`'s success is a failed
+/// lookup (`internal`): nothing is stored from it, and the key stays as it
+/// was for the next lookup.
+fn find_result(env: &impl Env, key: &RecordKey) -> Result<Option<Success>, StoreError> {
+    let found = env.find_result(key)?;
+    if let Some(s) = &found {
+        validate::success(s).map_err(|e| {
+            StoreError::Internal(format!(
+                "the result lookup answered a result that breaks the rules: {}",
+                e.message
+            ))
+        })?;
+    }
+    Ok(found)
 }
 
 fn store(e: StoreError) -> EngineError {
@@ -470,13 +487,13 @@ fn settle_after_takeover(
     owned: StoredRecord,
     policy: &Policy,
 ) -> Result<Decision, EngineError> {
-    let found = env.find_result(&owned.key);
+    let found = find_result(env, &owned.key);
     let now = env.now();
     let next = match &found {
         Ok(None) => return Ok(Decision::Execute(ticket(&owned))),
-        Ok(Some(result_ref)) => {
-            let result_ref = result_ref.clone();
-            let mut done = succeeded(&owned, now, policy, Some(result_ref), None)?;
+        Ok(Some(result)) => {
+            let result = result.clone();
+            let mut done = succeeded(&owned, now, policy, result.result_ref, result.response)?;
             // Nothing was executed: the claim's attempt does not count.
             done.attempts = abandoned.attempts;
             done
@@ -835,15 +852,15 @@ pub fn reconcile(
             report.skipped += 1;
             continue;
         }
-        let found = env.find_result(&rec.key);
+        let found = find_result(env, &rec.key);
         // The lookup may have taken a while: stamp the write with the time
         // it is made.
         let now = env.now();
         let mut next = rewrite(&owned, now)?;
         next.lease_until = None;
         let outcome = match found {
-            Ok(Some(result_ref)) => {
-                next = succeeded(&owned, now, policy, Some(result_ref), None)?;
+            Ok(Some(result)) => {
+                next = succeeded(&owned, now, policy, result.result_ref, result.response)?;
                 &mut report.succeeded
             }
             Ok(None) if stale_mode(rec.status, policy) == ExpiredLease::Manual => {

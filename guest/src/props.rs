@@ -228,7 +228,7 @@ impl Env for MemoryEnv {
     ) -> Result<Vec<StoredRecord>, StoreError> {
         Ok(Vec::new())
     }
-    fn find_result(&self, _key: &RecordKey) -> Result<Option<String>, StoreError> {
+    fn find_result(&self, _key: &RecordKey) -> Result<Option<Success>, StoreError> {
         Ok(None)
     }
 }

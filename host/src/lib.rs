@@ -36,6 +36,7 @@
 
 #![warn(missing_docs)]
 
+pub use idem_server::lookup;
 #[cfg(feature = "middleware")]
 pub use idem_server::middleware;
 pub use idem_server::operator;

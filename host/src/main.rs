@@ -77,7 +77,8 @@ enum Command {
     /// response to replay), failed for good, or released for a new run.
     /// Exits non-zero when the key was not stuck or has no record.
     Settle(operator::SettleArgs),
-    /// Delete every expired key, in batches.
+    /// Delete every expired key, in batches, and release the stuck keys
+    /// that waited past their biz type's stuck_retention_ms (each printed).
     Sweep {
         /// Keys per batch (default: sweep_batch from the config, 1000).
         #[arg(long)]
@@ -168,7 +169,8 @@ fn main() -> Result<()> {
             operator::settle(&engine, &policy, args, cli.json)
         }
         Command::Sweep { limit } => {
-            let engine = open(&cli, &config)?.engine(&config)?;
+            let db = open(&cli, &config)?;
+            let engine = db.engine(&config)?;
             let batch = limit.unwrap_or(config.sweep_batch);
             if batch == 0 {
                 bail!("--limit must be at least 1");
@@ -181,14 +183,29 @@ fn main() -> Result<()> {
                 }
                 total += u64::from(deleted);
             }
+            let released = operator::expire_stuck(&engine, &db.shared(), &config, batch)?;
             if cli.json {
-                println!("{}", serde_json::json!({ "deleted": total }));
+                println!(
+                    "{}",
+                    serde_json::json!({ "deleted": total, "stuck_released": released })
+                );
             } else {
                 println!("deleted {total} expired keys");
+                for k in &released {
+                    println!(
+                        "released stuck key {} ({} for {} ms, biz type {}, scope {})",
+                        k.key, k.status, k.stuck_ms, k.biz_type, k.scope
+                    );
+                }
             }
             Ok(())
         }
         Command::Reconcile { biz, limit } => {
+            if config.lookup_for(biz).is_none() {
+                bail!(
+                    "biz type '{biz}' has no lookup (the `lookup` of its route in --config): nothing could tell whether its stuck keys took effect, so reconcile would change nothing; settle them with `idem settle`"
+                );
+            }
             let engine = open(&cli, &config)?.engine(&config)?;
             let policy = config.policy_for(biz);
             let report = engine.reconcile(biz, &policy, *limit)?;
@@ -259,7 +276,10 @@ enum Db {
 impl Db {
     /// An engine on this store, bounded as `config` says.
     fn engine(&self, config: &ProxyConfig) -> Result<Engine> {
-        let builder = Engine::builder().bounds(config.guest_bounds()?);
+        let mut builder = Engine::builder().bounds(config.guest_bounds()?);
+        if let Some(lookup) = idem::lookup::HttpLookup::from_config(config) {
+            builder = builder.results(lookup);
+        }
         let builder = match self {
             Db::Sqlite(s) => builder.storage(s.clone()),
             #[cfg(feature = "postgres")]

@@ -91,9 +91,22 @@ export declare class ManualClock implements Clock {
   set(ms: number | bigint): void;
 }
 
+/** What a successful action produced: `complete`'s argument, and what a result lookup finds. */
+export interface SuccessInput {
+  resultRef?: string;
+  /** The response to replay to duplicates; the rules of `complete`'s (status 100 to 599). */
+  response?: ResponseInput;
+}
+
 export interface Results {
-  /** The business result recorded under the key, or undefined when surely none exists; throw a StoreError when unsure. */
-  findResult(key: { scope: string; bizType: string; idemKey: string }): string | undefined;
+  /**
+   * The business result recorded under the key: its result reference (a
+   * string) or `{ resultRef?, response? }` as given to `complete`; undefined
+   * or null when surely none exists. Throw a StoreError when unsure. A result
+   * that breaks complete's rules (a result reference over 1024 bytes, a
+   * status outside 100..599) is a failed lookup: nothing is stored.
+   */
+  findResult(key: { scope: string; bizType: string; idemKey: string }): string | SuccessInput | undefined | null;
 }
 
 /** A store failure: `kind` is "unavailable", "rejected" or "internal". */
@@ -159,7 +172,7 @@ export interface KeyStatus {
 export declare class Idem {
   constructor(options: { store: SqliteStore | object; clock?: Clock; results?: Results });
   begin(request: BeginRequest): Decision;
-  complete(ticket: Ticket, policy: Policy | undefined, success?: { resultRef?: string; response?: ResponseInput }): "recorded" | "lost-ownership";
+  complete(ticket: Ticket, policy: Policy | undefined, success?: SuccessInput): "recorded" | "lost-ownership";
   fail(ticket: Ticket, policy: Policy | undefined, failure: { code: string; message?: string; response?: ResponseInput },
     disposition?: "retryable" | "final" | "outcome-unknown"): "recorded" | "lost-ownership";
   extend(ticket: Ticket, policy?: Policy): { extended: true; leaseUntil: number } | { extended: false };

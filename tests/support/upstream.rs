@@ -9,11 +9,18 @@
 //! | `/slow?ms=N` | waits N ms, then as `/orders` |
 //! | `/fail/CODE` | that status, a JSON body naming the execution |
 //! | `/hang` | never answers |
+//! | `…/hang-once` | never answers the first execution of its `Idempotency-Key`; as `/orders` after |
 //! | `/drop` | reads the request, then closes the connection without an answer |
 //! | anything else | 200, JSON echo of method and path |
 //!
 //! An execution is counted when the request (head and body) has arrived,
-//! before any waiting.
+//! before any waiting. The business lookups are not executions:
+//!
+//! | path | answer |
+//! |---|---|
+//! | `GET /lookup/KEY` | 200 `{"order_id":"ord-N","found":true}` (`x-order-id: ord-N`) for the first execution that carried `Idempotency-Key: KEY`; 404 when none did |
+//! | `GET /lookup-none/KEY` | 404: "not done", whatever ran |
+//! | `GET /lookup-down/KEY` | 503: the business side cannot tell |
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -201,6 +208,30 @@ fn json_response(status: u16, body: String, extra: &[(&'static str, String)]) ->
     resp
 }
 
+/// The business lookups (see the table above); none for other paths.
+fn lookup(shared: &Shared, path: &str) -> Option<Response> {
+    if path.starts_with("/lookup-none/") {
+        return Some(json_response(404, r#"{"found":false}"#.into(), &[]));
+    }
+    if path.starts_with("/lookup-down/") {
+        return Some(json_response(503, r#"{"error":"down"}"#.into(), &[]));
+    }
+    let key = path.strip_prefix("/lookup/")?;
+    let log = shared.log.lock().unwrap();
+    let first = log
+        .executions
+        .iter()
+        .find(|e| e.idempotency_key.as_deref() == Some(key));
+    Some(match first {
+        Some(e) => {
+            let id = format!("ord-{}", e.n);
+            let body = serde_json::json!({ "order_id": id, "found": true });
+            json_response(200, body.to_string(), &[("x-order-id", id)])
+        }
+        None => json_response(404, r#"{"found":false}"#.into(), &[]),
+    })
+}
+
 fn order(n: usize, exec: &Execution) -> Response {
     let id = format!("ord-{n}");
     let body = serde_json::json!({
@@ -243,6 +274,9 @@ async fn handle(
     let Ok(body) = axum::body::to_bytes(req.into_body(), 64 << 20).await else {
         return json_response(400, r#"{"error":"unreadable body"}"#.into(), &[]);
     };
+    if let Some(answer) = lookup(&shared, &path) {
+        return answer;
+    }
     let mut exec = Execution {
         n: 0,
         method,
@@ -266,6 +300,16 @@ async fn handle(
             order(n, &exec)
         }
         "/hang" => std::future::pending().await,
+        p if p.ends_with("/hang-once") => {
+            let first = exec
+                .idempotency_key
+                .as_ref()
+                .is_some_and(|k| shared.log.lock().unwrap().per_key.get(k) == Some(&1));
+            if first {
+                std::future::pending::<()>().await;
+            }
+            order(n, &exec)
+        }
         "/drop" => {
             kill.0.notify_one();
             std::future::pending().await

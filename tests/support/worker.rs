@@ -230,7 +230,7 @@ fn crash(db: &str, now: u64, seed: u64) -> Result<()> {
     let engine = Engine::builder()
         .storage(store)
         .clock(clock.clone())
-        .results(|_: &RecordKey| Ok(None))
+        .results(|_: &RecordKey| Ok(None::<String>))
         .build()?;
     let policy = crash_policy(seed);
     let mut rng = Rng(seed.max(1));

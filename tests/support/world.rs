@@ -25,10 +25,21 @@ impl World {
     /// Starts an upstream and a proxy with the configuration text `config`
     /// (none: the defaults).
     pub fn start(config: Option<&str>) -> Result<Self> {
+        Self::start_on(|_| config.map(str::to_owned))
+    }
+
+    /// As [`World::start`], with the configuration made from the
+    /// upstream's URL (for settings that name it, such as `lookup`).
+    #[allow(dead_code)] // Not every suite configures a lookup.
+    pub fn start_with(config: impl FnOnce(&str) -> String) -> Result<Self> {
+        Self::start_on(|upstream| Some(config(upstream)))
+    }
+
+    fn start_on(config: impl FnOnce(&str) -> Option<String>) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let db = dir.path().join("idem.db");
         let up = Upstream::start()?;
-        let proxy = serve(&up.url(), &db, config)?;
+        let proxy = serve(&up.url(), &db, config(&up.url()).as_deref())?;
         Ok(Self {
             proxy,
             up,

@@ -62,7 +62,7 @@ struct Fake {
     /// The next row id `insert-if-absent` assigns.
     next_id: Cell<u64>,
     /// What `find-result` answers, by key.
-    results: RefCell<BTreeMap<Key3, String>>,
+    results: RefCell<BTreeMap<Key3, Success>>,
     /// Makes every `find-result` fail.
     find_fails: Cell<bool>,
     /// Makes `find-result` fail for these keys only.
@@ -141,7 +141,11 @@ impl Fake {
     }
 
     fn set_result(&self, key: &RecordKey, result_ref: &str) {
-        self.results.borrow_mut().insert(k3(key), result_ref.into());
+        self.set_found(key, found(result_ref));
+    }
+
+    fn set_found(&self, key: &RecordKey, found: Success) {
+        self.results.borrow_mut().insert(k3(key), found);
     }
 
     fn fail_next(&self, op: Option<Op>, err: StoreError) {
@@ -307,7 +311,7 @@ impl Env for Fake {
         Ok(stale)
     }
 
-    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
+    fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError> {
         self.calls.borrow_mut().push(Op::FindResult);
         self.run(&self.on_find);
         if self.find_fails.get() || self.find_fails_for.borrow().contains(&k3(key)) {
@@ -429,6 +433,14 @@ fn success(result_ref: &str) -> Success {
     Success {
         result_ref: Some(result_ref.into()),
         response: Some(response(201, &format!("created {result_ref}"))),
+    }
+}
+
+/// A business result that only carries its reference, as a lookup finds it.
+fn found(result_ref: &str) -> Success {
+    Success {
+        result_ref: Some(result_ref.into()),
+        response: None,
     }
 }
 
@@ -1116,6 +1128,65 @@ fn reconcile_policy_not_found_executes_again() {
         );
         assert_eq!(env.count(Op::FindResult), 1);
         assert_eq!(env.record(&k).expect("stored").fencing_token, 2);
+    }
+}
+
+#[test]
+fn reconcile_policy_found_response_is_stored_and_replayed() {
+    let env = Fake::new();
+    let p = policy_with(ExpiredLease::Reconcile);
+    let k = key("a");
+    let t1 = start(&env, &k, &p);
+    let answer = response(200, "{\"order\":7}");
+    env.set_found(
+        &k,
+        Success {
+            result_ref: None,
+            response: Some(answer.clone()),
+        },
+    );
+    env.set_time(t1.lease_until);
+    let Decision::Replay(replayed) = decide(&env, &k, 1, &p) else {
+        panic!("not replayed");
+    };
+    assert_eq!(replayed.response, Some(answer.clone()));
+    let rec = env.record(&k).expect("stored");
+    assert_eq!(
+        (rec.status, rec.response),
+        (Status::Succeeded, Some(answer))
+    );
+}
+
+#[test]
+fn reconcile_policy_found_result_breaking_the_rules_is_a_failed_lookup() {
+    for bad in [
+        Success {
+            result_ref: Some("r".repeat(validate::MAX_RESULT_REF_BYTES + 1)),
+            response: None,
+        },
+        Success {
+            result_ref: None,
+            response: Some(response(99, "")),
+        },
+    ] {
+        let env = Fake::new();
+        let p = policy_with(ExpiredLease::Reconcile);
+        let k = key("a");
+        let t1 = start(&env, &k, &p);
+        env.set_found(&k, bad);
+        env.set_time(t1.lease_until);
+        let StoreError::Internal(message) = store_err(begin(&env, &request(&k, 1, &p))) else {
+            panic!("not an internal store error");
+        };
+        assert!(message.contains("result lookup"), "{message}");
+        // Nothing stored from it: the key is stale as before, and the next
+        // request asks again.
+        let rec = env.record(&k).expect("stored");
+        assert_eq!(rec.status, Status::Processing);
+        assert!(rec.result_ref.is_none() && rec.response.is_none());
+        assert_eq!(check_record(&rec, &k), Ok(()));
+        let _ = begin(&env, &request(&k, 1, &p));
+        assert_eq!(env.count(Op::FindResult), 2);
     }
 }
 
@@ -2861,7 +2932,7 @@ impl World {
         results.clear();
         if matches!(lookup, Lookup::Found) {
             for i in 0..KEYS {
-                results.insert(k3(&prop_key(i)), format!("found-{i}"));
+                results.insert(k3(&prop_key(i)), found(&format!("found-{i}")));
             }
         }
     }

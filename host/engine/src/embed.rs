@@ -199,7 +199,7 @@ impl bindings::idem::engine::results::Host for IdemCtx {
     fn find_result(
         &mut self,
         key: wit_types::RecordKey,
-    ) -> Result<Option<String>, wit_store::StoreError> {
+    ) -> Result<Option<wit_types::Success>, wit_store::StoreError> {
         self.results.find_result(&key.conv()).conv()
     }
 }

@@ -98,9 +98,17 @@ impl From<wit_engine::EngineError> for Error {
 ///
 /// Implementations MUST return an error, never `None`, when they cannot
 /// tell: `None` lets the engine execute the action again.
+///
+/// A closure returning `Result<Option<T>, StoreError>` is a lookup for any
+/// `T` that converts into a [`Success`]: a `String` is the result's
+/// reference (as `Success::with_ref`), a [`Success`] may also carry the
+/// response to replay.
 pub trait ResultLookup: Send + Sync + 'static {
-    /// The reference of the business result recorded under `key`.
-    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError>;
+    /// The business result recorded under `key`, stored as the key's
+    /// success and replayed. It follows the rules of [`Engine::complete`]'s
+    /// success; one that breaks them is a failed lookup and nothing is
+    /// stored from it.
+    fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError>;
 
     /// Whether a lookup waits on I/O; as [`Storage::blocks_on_io`]. The
     /// default is `true`, which is always safe.
@@ -109,12 +117,13 @@ pub trait ResultLookup: Send + Sync + 'static {
     }
 }
 
-impl<F> ResultLookup for F
+impl<F, T> ResultLookup for F
 where
-    F: Fn(&RecordKey) -> Result<Option<String>, StoreError> + Send + Sync + 'static,
+    F: Fn(&RecordKey) -> Result<Option<T>, StoreError> + Send + Sync + 'static,
+    T: Into<Success>,
 {
-    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
-        self(key)
+    fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError> {
+        Ok(self(key)?.map(Into::into))
     }
 }
 
@@ -126,7 +135,7 @@ impl ResultLookup for NoLookup {
         false
     }
 
-    fn find_result(&self, key: &RecordKey) -> Result<Option<String>, StoreError> {
+    fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError> {
         Err(StoreError::Internal(format!(
             "no result lookup is registered, so the result of biz type '{}' cannot be checked",
             key.biz_type

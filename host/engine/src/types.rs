@@ -103,6 +103,13 @@ pub struct Success {
     pub response: Option<StoredResponse>,
 }
 
+impl From<String> for Success {
+    /// A success that only carries a result reference (`Success::with_ref`).
+    fn from(result_ref: String) -> Self {
+        Self::with_ref(result_ref)
+    }
+}
+
 impl Success {
     /// A success that only carries a result reference.
     pub fn with_ref(result_ref: impl Into<String>) -> Self {

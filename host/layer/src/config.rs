@@ -33,6 +33,17 @@ pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 /// default 1 MiB body limit at about 35 KB/s, and short enough that a body
 /// that stops before its Content-Length does not hold a connection for long.
 pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+/// Default `lookup_timeout_ms`: 5 seconds, as the stores' busy and
+/// statement timeouts. A lookup is one indexed read in the business
+/// database behind one HTTP hop; one that takes longer is overloaded or
+/// stuck, and waiting longer would only hold a request (or the sweep) up.
+pub const DEFAULT_LOOKUP_TIMEOUT_MS: u64 = 5_000;
+
+/// Default `stuck_retention_ms`: 7 days. A stuck key needs a person (or a
+/// lookup) to decide whether its action took effect; a week covers a
+/// weekend and a holiday, and bounds how many stuck keys can pile up.
+pub const DEFAULT_STUCK_RETENTION_MS: u64 = 7 * 24 * 60 * 60 * 1000;
+
 /// The smallest `guest_memory_bytes` accepted: the engine component starts
 /// with about 1.1 MiB (its 1 MiB stack and its data), so a lower limit
 /// would leave no room to canonicalize even a small body.
@@ -169,16 +180,17 @@ pub struct PolicyConfig {
     /// `expired_lease`: what a duplicate does when the first request's lease
     /// ran out (the proxy crashed or hung): `"take-over"` (execute again),
     /// `"manual"` (answer 409 outcome-unknown until an operator settles the
-    /// key) or `"reconcile"` (ask the business data first; the proxy has
-    /// none, so the key answers 503 until an operator settles it). Default
-    /// `"take-over"`.
+    /// key) or `"reconcile"` (ask the biz type's [`PolicyConfig::lookup`]
+    /// first; without one the key answers 503 until an operator settles
+    /// it). Default `"take-over"`.
     pub expired_lease: Option<ExpiredLease>,
     /// `outcome_unknown`: what a duplicate does once the lease of a request
     /// whose outcome is unknown has ended (the upstream timed out, or the
     /// connection broke after the request was sent, so it may have acted):
     /// `"manual"` (answer 409 outcome-unknown until an operator settles
-    /// the key), `"reconcile"` (ask the business data first; the proxy has
-    /// none, so the key answers 503 until an operator settles it) or
+    /// the key), `"reconcile"` (ask the biz type's [`PolicyConfig::lookup`]
+    /// first; without one the key answers 503 until an operator settles
+    /// it) or
     /// `"take-over"` (execute again: only for actions that are safe to
     /// repeat). Default `"manual"`: retrying an unknown outcome blindly is
     /// how one payment is charged twice.
@@ -207,6 +219,25 @@ pub struct PolicyConfig {
     /// `anonymous` for all of them) or `"client-address"` (a scope from the
     /// connection's IP address). Default `"reject"`, see [`AnonymousMode`].
     pub anonymous: Option<AnonymousMode>,
+    /// `lookup`: where `idem serve` asks the business data whether a key's
+    /// action took effect, for a key stuck in progress past its lease or
+    /// with an unknown outcome: an `http://` URL template with `{key}` (the
+    /// idempotency key) and optionally `{scope}` and `{biz_type}`, each
+    /// percent-encoded, e.g. `"http://orders.internal/by-key/{key}"`. A
+    /// 2xx answer is the action's result, stored and replayed as the key's
+    /// answer; 404 means the action did not take effect; anything else (or
+    /// no answer within `lookup_timeout_ms`) means "cannot tell", and the
+    /// key stays as it is. With a lookup, `"reconcile"` asks it on the
+    /// request and the background sweep reconciles stuck keys with it;
+    /// without one, nothing is reconciled. Default: none.
+    pub lookup: Option<String>,
+    /// `stuck_retention_ms`: how long a stuck key (outcome-unknown, or in
+    /// progress past its lease) waits for a lookup or an operator before
+    /// the sweep reports it (a warning naming the key, and
+    /// `idem_stuck_keys_expired_total`) and releases it, so that the next
+    /// request with the same key runs again. 0 keeps stuck keys until an
+    /// operator settles them. Default [`DEFAULT_STUCK_RETENTION_MS`].
+    pub stuck_retention_ms: Option<u64>,
 }
 
 impl PolicyConfig {
@@ -226,6 +257,8 @@ impl PolicyConfig {
                 .clone()
                 .or_else(|| base.fingerprint_fields.clone()),
             anonymous: self.anonymous.or(base.anonymous),
+            lookup: self.lookup.clone().or_else(|| base.lookup.clone()),
+            stuck_retention_ms: self.stuck_retention_ms.or(base.stuck_retention_ms),
         }
     }
 
@@ -278,6 +311,10 @@ impl PolicyConfig {
                 ));
             }
         }
+        if let Some(template) = &self.lookup {
+            LookupTemplate::parse(template)
+                .map_err(|m| ConfigError::invalid(format!("{at}.lookup"), m))?;
+        }
         Ok(())
     }
 }
@@ -323,6 +360,10 @@ pub struct RouteConfig {
     pub fingerprint_fields: Option<Vec<String>>,
     /// See [`PolicyConfig::anonymous`].
     pub anonymous: Option<AnonymousMode>,
+    /// See [`PolicyConfig::lookup`].
+    pub lookup: Option<String>,
+    /// See [`PolicyConfig::stuck_retention_ms`].
+    pub stuck_retention_ms: Option<u64>,
 }
 
 fn any_method() -> String {
@@ -351,6 +392,8 @@ impl RouteConfig {
             key: None,
             fingerprint_fields: None,
             anonymous: None,
+            lookup: None,
+            stuck_retention_ms: None,
         }
     }
 
@@ -366,6 +409,8 @@ impl RouteConfig {
             key: self.key,
             fingerprint_fields: self.fingerprint_fields.clone(),
             anonymous: self.anonymous,
+            lookup: self.lookup.clone(),
+            stuck_retention_ms: self.stuck_retention_ms,
         }
     }
 }
@@ -433,6 +478,11 @@ pub struct ProxyConfig {
     /// `--db` uses `<db>-outcomes` unless this is set. Default: none (held
     /// in memory only).
     pub outcome_journal: Option<std::path::PathBuf>,
+    /// `lookup_timeout_ms`: how long one business lookup (a route's
+    /// `lookup`) may take, in milliseconds, connecting and reading the
+    /// whole answer; a slower one means "cannot tell". Default
+    /// [`DEFAULT_LOOKUP_TIMEOUT_MS`].
+    pub lookup_timeout_ms: u64,
     /// `[defaults]`: the policy of every route and of unmatched requests.
     pub defaults: PolicyConfig,
     /// `[[routes]]`: the first route matching a request's method and path
@@ -458,6 +508,7 @@ impl Default for ProxyConfig {
             guest_memory_bytes: idem_engine::engine::DEFAULT_MEMORY_LIMIT as u64,
             group_commit: false,
             outcome_journal: None,
+            lookup_timeout_ms: DEFAULT_LOOKUP_TIMEOUT_MS,
             defaults: PolicyConfig::default(),
             routes: Vec::new(),
         }
@@ -517,12 +568,49 @@ impl ProxyConfig {
     /// The policy of `biz_type`: the first route with that biz type, or the
     /// defaults (for `http` and any biz type no route names).
     pub fn policy_for(&self, biz_type: &str) -> Policy {
+        self.merged_for(biz_type).policy(self.max_body_bytes)
+    }
+
+    /// The `lookup` of `biz_type` (see [`ProxyConfig::policy_for`]), parsed;
+    /// none when it has none. A configuration from
+    /// [`ProxyConfig::from_toml_str`] has valid templates; one built in code
+    /// and not resolved may not, and an invalid one counts as none.
+    pub fn lookup_for(&self, biz_type: &str) -> Option<LookupTemplate> {
+        LookupTemplate::parse(self.merged_for(biz_type).lookup.as_deref()?).ok()
+    }
+
+    /// The `stuck_retention_ms` of `biz_type`; none when its stuck keys
+    /// are kept until an operator settles them (0).
+    pub fn stuck_retention_for(&self, biz_type: &str) -> Option<u64> {
+        match self
+            .merged_for(biz_type)
+            .stuck_retention_ms
+            .unwrap_or(DEFAULT_STUCK_RETENTION_MS)
+        {
+            0 => None,
+            ms => Some(ms),
+        }
+    }
+
+    /// Every biz type this configuration names: `http` (the default route)
+    /// and each route's, each once, in order.
+    pub fn biz_types(&self) -> Vec<String> {
+        let mut all = vec![DEFAULT_BIZ_TYPE.to_owned()];
+        for r in &self.routes {
+            if !all.contains(&r.biz_type) {
+                all.push(r.biz_type.clone());
+            }
+        }
+        all
+    }
+
+    /// The policy keys of `biz_type`: its first route's over `[defaults]`.
+    fn merged_for(&self, biz_type: &str) -> PolicyConfig {
         self.routes
             .iter()
             .find(|r| r.biz_type == biz_type)
             .map(|r| r.overrides().or(&self.defaults))
             .unwrap_or_else(|| self.defaults.clone())
-            .policy(self.max_body_bytes)
     }
 
     /// Checks the configuration and builds its route table.
@@ -549,6 +637,12 @@ impl ProxyConfig {
         if self.body_read_timeout_ms == 0 {
             return Err(ConfigError::invalid(
                 "body_read_timeout_ms",
+                "must be at least 1",
+            ));
+        }
+        if self.lookup_timeout_ms == 0 {
+            return Err(ConfigError::invalid(
+                "lookup_timeout_ms",
                 "must be at least 1",
             ));
         }
@@ -585,6 +679,8 @@ impl ProxyConfig {
             post_patch_key: self.defaults.key.unwrap_or(KeyRequirement::Required),
             server_errors: self.defaults.server_errors.unwrap_or_default(),
             anonymous: self.defaults.anonymous.unwrap_or_default(),
+            lookup: self.defaults.lookup.clone(),
+            stuck_retention_ms: self.defaults.stuck_retention_ms,
         };
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, r) in self.routes.iter().enumerate() {
@@ -612,6 +708,8 @@ impl ProxyConfig {
                 post_patch_key: merged.key.unwrap_or(KeyRequirement::Required),
                 server_errors: merged.server_errors.unwrap_or_default(),
                 anonymous: merged.anonymous.unwrap_or_default(),
+                lookup: merged.lookup.clone(),
+                stuck_retention_ms: merged.stuck_retention_ms,
             });
         }
         // One biz type, one policy: the engine requires every call about a
@@ -620,7 +718,12 @@ impl ProxyConfig {
             let earlier = routes[..i]
                 .iter()
                 .chain(std::iter::once(&default))
-                .find(|o| o.biz_type == r.biz_type && o.policy != r.policy);
+                .find(|o| {
+                    o.biz_type == r.biz_type
+                        && (o.policy != r.policy
+                            || o.lookup != r.lookup
+                            || o.stuck_retention_ms != r.stuck_retention_ms)
+                });
             if let Some(o) = earlier {
                 let other = match o.index {
                     Some(j) => format!("routes[{j}]"),
@@ -629,7 +732,7 @@ impl ProxyConfig {
                 return Err(ConfigError::invalid(
                     format!("routes[{i}].biz_type"),
                     format!(
-                        "biz type '{}' has another policy in {other}; routes sharing a biz type must share its policy",
+                        "biz type '{}' has another policy (or lookup, or stuck_retention_ms) in {other}; routes sharing a biz type must share its policy",
                         r.biz_type
                     ),
                 ));
@@ -640,6 +743,98 @@ impl ProxyConfig {
             default,
             scope_header,
         })
+    }
+}
+
+/// A `lookup` URL template: `http://` and literal text with `{key}`,
+/// `{scope}` and `{biz_type}` placeholders, each replaced by its value,
+/// percent-encoded (every byte but ASCII letters, digits and `-._~`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookupTemplate {
+    parts: Vec<TemplatePart>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TemplatePart {
+    Literal(String),
+    Key,
+    Scope,
+    BizType,
+}
+
+/// What a placeholder's value may keep unencoded: RFC 3986's unreserved
+/// characters, so that a value never adds a `/`, `?`, `#` or `%` of its own.
+const LOOKUP_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+impl LookupTemplate {
+    /// Parses a template; the error says what is wrong.
+    ///
+    /// # Errors
+    ///
+    /// A sentence when the template is not an `http://` URL, has no
+    /// `{key}`, names an unknown placeholder, or leaves a brace unclosed.
+    pub fn parse(template: &str) -> Result<LookupTemplate, String> {
+        if !template.starts_with("http://") {
+            return Err(format!(
+                "'{template}' must start with http:// (the lookup is a plain HTTP request to a service beside the proxy)"
+            ));
+        }
+        let mut parts = Vec::new();
+        let mut rest = template;
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                parts.push(TemplatePart::Literal(rest[..open].to_owned()));
+            }
+            let Some(close) = rest[open..].find('}') else {
+                return Err(format!("'{template}' has a '{{' without its '}}'"));
+            };
+            parts.push(match &rest[open + 1..open + close] {
+                "key" => TemplatePart::Key,
+                "scope" => TemplatePart::Scope,
+                "biz_type" => TemplatePart::BizType,
+                other => {
+                    return Err(format!(
+                        "'{template}' names {{{other}}}: only {{key}}, {{scope}} and {{biz_type}} are known"
+                    ));
+                }
+            });
+            rest = &rest[open + close + 1..];
+        }
+        if !rest.is_empty() {
+            parts.push(TemplatePart::Literal(rest.to_owned()));
+        }
+        if !parts.contains(&TemplatePart::Key) {
+            return Err(format!(
+                "'{template}' has no {{key}}: every key would get the same answer"
+            ));
+        }
+        let t = LookupTemplate { parts };
+        t.render("key", "scope", "biz")
+            .parse::<http::Uri>()
+            .map_err(|e| format!("'{template}' does not make a valid URL: {e}"))?;
+        Ok(t)
+    }
+
+    /// The URL for one key.
+    pub fn render(&self, key: &str, scope: &str, biz_type: &str) -> String {
+        let mut url = String::new();
+        for part in &self.parts {
+            let value = match part {
+                TemplatePart::Literal(text) => {
+                    url.push_str(text);
+                    continue;
+                }
+                TemplatePart::Key => key,
+                TemplatePart::Scope => scope,
+                TemplatePart::BizType => biz_type,
+            };
+            url.extend(percent_encoding::utf8_percent_encode(value, LOOKUP_VALUE));
+        }
+        url
     }
 }
 
@@ -756,6 +951,10 @@ pub struct Route {
     pub server_errors: ServerErrors,
     /// What a keyed request that names no client gets.
     pub anonymous: AnonymousMode,
+    /// The `lookup` template, as written.
+    lookup: Option<String>,
+    /// The `stuck_retention_ms`, as written.
+    stuck_retention_ms: Option<u64>,
 }
 
 impl Route {
@@ -1089,6 +1288,55 @@ mod tests {
     }
 
     #[test]
+    fn lookup_templates_encode_their_values_and_name_what_is_wrong() {
+        let t =
+            LookupTemplate::parse("http://orders.internal/by-key/{key}?biz={biz_type}&s={scope}")
+                .unwrap();
+        assert_eq!(
+            t.render("a/b?c#d%e f", "auth:ab", "order.create"),
+            "http://orders.internal/by-key/a%2Fb%3Fc%23d%25e%20f?biz=order.create&s=auth%3Aab"
+        );
+        for (bad, says) in [
+            ("https://x/{key}", "http://"),
+            ("http://x/orders", "no {key}"),
+            ("http://x/{key}/{tenant}", "{tenant}"),
+            ("http://x/{key", "without its"),
+            ("http://x y/{key}", "valid URL"),
+        ] {
+            let e = LookupTemplate::parse(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        let e = ProxyConfig::from_toml_str(
+            "[[routes]]\npath = \"/orders\"\nbiz_type = \"o\"\nlookup = \"http://x/orders\"",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("routes[0].lookup"), "{e}");
+        // Routes sharing a biz type share its lookup.
+        let e = ProxyConfig::from_toml_str(
+            "[[routes]]\npath = \"/a\"\nbiz_type = \"o\"\nlookup = \"http://x/{key}\"\n\
+             [[routes]]\npath = \"/b\"\nbiz_type = \"o\"",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("routes[1].biz_type"), "{e}");
+        let c = ProxyConfig::from_toml_str(
+            "[defaults]\nstuck_retention_ms = 0\n\
+             [[routes]]\npath = \"/a\"\nbiz_type = \"o\"\nlookup = \"http://x/{key}\"\nstuck_retention_ms = 5",
+        )
+        .unwrap();
+        assert_eq!(c.biz_types(), ["http", "o"]);
+        assert!(c.lookup_for("o").is_some() && c.lookup_for("http").is_none());
+        assert_eq!(
+            (c.stuck_retention_for("o"), c.stuck_retention_for("http")),
+            (Some(5), None)
+        );
+        assert_eq!(
+            ProxyConfig::default().stuck_retention_for("http"),
+            Some(DEFAULT_STUCK_RETENTION_MS)
+        );
+        assert!(ProxyConfig::from_toml_str("lookup_timeout_ms = 0").is_err());
+    }
+
+    #[test]
     fn the_example_file_gives_the_defaults() {
         let text = include_str!("../../idem.example.toml");
         assert_eq!(
@@ -1105,6 +1353,8 @@ mod tests {
                     key: Some(KeyRequirement::Required),
                     fingerprint_fields: Some(Vec::new()),
                     anonymous: Some(AnonymousMode::Reject),
+                    lookup: None,
+                    stuck_retention_ms: Some(DEFAULT_STUCK_RETENTION_MS),
                 },
                 ..ProxyConfig::default()
             }

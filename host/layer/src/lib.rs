@@ -224,15 +224,7 @@ impl IdempotencyLayer {
     /// Every biz type a request can be given: the routes' and the
     /// defaults', once each.
     pub fn biz_types(&self) -> Vec<String> {
-        let mut all: Vec<String> = self
-            .shared
-            .routes
-            .all()
-            .map(|r| r.biz_type.clone())
-            .collect();
-        all.sort_unstable();
-        all.dedup();
-        all
+        self.config().biz_types()
     }
 
     /// Waits for every claimed request still in flight (including those

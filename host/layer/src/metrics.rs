@@ -41,6 +41,9 @@ pub const DECISION_LABELS: [&str; 9] = [
     "error",
 ];
 
+/// The outcomes of `idem_reconciled`.
+const RECONCILED_LABELS: [&str; 4] = ["succeeded", "released", "left", "lookup-error"];
+
 /// The proxy's counters and histogram. Cheap to clone.
 #[derive(Clone)]
 pub struct Metrics {
@@ -51,7 +54,15 @@ pub struct Metrics {
     store_errors: Counter,
     pending_outcomes: Gauge,
     stuck: Family<StuckLabel, Gauge>,
+    stuck_expired: Counter,
+    reconciled: Family<ReconciledLabel, Counter>,
     upstream_duration: Histogram,
+}
+
+/// The label of `idem_reconciled`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReconciledLabel {
+    outcome: &'static str,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -76,6 +87,8 @@ impl Metrics {
         let store_errors = Counter::default();
         let pending_outcomes = Gauge::default();
         let stuck = Family::<StuckLabel, Gauge>::default();
+        let stuck_expired = Counter::default();
+        let reconciled = Family::<ReconciledLabel, Counter>::default();
         // 5 ms to about 41 s.
         let upstream_duration = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         registry.register(
@@ -112,6 +125,19 @@ impl Metrics {
             let _ = stuck.get_or_create(&StuckLabel { status });
         }
         registry.register(
+            "idem_stuck_keys_expired",
+            "Stuck keys released because they waited past stuck_retention_ms (each one is logged)",
+            stuck_expired.clone(),
+        );
+        registry.register(
+            "idem_reconciled",
+            "Stuck keys the sweep's reconcile examined, by outcome: succeeded (the lookup found the result), released (not found: runs again), left (not found under manual), lookup-error",
+            reconciled.clone(),
+        );
+        for outcome in RECONCILED_LABELS {
+            let _ = reconciled.get_or_create(&ReconciledLabel { outcome });
+        }
+        registry.register(
             "idem_upstream_duration_seconds",
             "Time the upstream took to answer",
             upstream_duration.clone(),
@@ -128,7 +154,28 @@ impl Metrics {
             store_errors,
             pending_outcomes,
             stuck,
+            stuck_expired,
+            reconciled,
             upstream_duration,
+        }
+    }
+
+    /// Counts stuck keys released past their retention.
+    pub fn stuck_keys_expired(&self, n: u64) {
+        self.stuck_expired.inc_by(n);
+    }
+
+    /// Counts what one reconcile did.
+    pub fn reconciled(&self, r: &idem_engine::api::ReconcileReport) {
+        for (outcome, n) in RECONCILED_LABELS.into_iter().zip([
+            r.succeeded,
+            r.released,
+            r.left_for_manual,
+            r.lookup_errors,
+        ]) {
+            self.reconciled
+                .get_or_create(&ReconciledLabel { outcome })
+                .inc_by(u64::from(n));
         }
     }
 

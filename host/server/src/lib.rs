@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+pub mod lookup;
 #[cfg(feature = "middleware")]
 pub mod middleware;
 pub mod operator;

@@ -321,10 +321,15 @@ impl wit_clock::Host for State {
 }
 
 impl wit_results::Host for State {
-    async fn find_result(&mut self, key: wit_types::RecordKey) -> StoreAnswer<Option<String>> {
+    async fn find_result(
+        &mut self,
+        key: wit_types::RecordKey,
+    ) -> StoreAnswer<Option<wit_types::Success>> {
         let results = self.results.clone();
         let answer = blocking(move || results.find_result(&key.conv())).await;
-        Ok(answer.map_err(Into::into))
+        Ok(answer
+            .map(|found| found.map(|s| s.conv()))
+            .map_err(Into::into))
     }
 }
 

@@ -335,6 +335,51 @@ pub fn settle(
     })
 }
 
+/// Releases the stuck keys of `biz_type` that have waited `retention_ms`
+/// or longer (at most `limit` examined, oldest first) and returns them,
+/// each logged as a warning: the bound on stuck keys
+/// (`stuck_retention_ms`), which never drops one silently. A released key
+/// runs again on its next request; one settled meanwhile by someone else is
+/// left alone.
+///
+/// # Errors
+///
+/// The store's or the engine's; the keys released before it stay released.
+pub fn expire_stuck(
+    engine: &Engine,
+    store: &dyn Storage,
+    policy: &Policy,
+    biz_type: &str,
+    retention_ms: u64,
+    now: Timestamp,
+    limit: u32,
+) -> Result<Vec<StuckKey>, Error> {
+    let mut expired = Vec::new();
+    for stuck in stuck(store, biz_type, now, limit)? {
+        if stuck.stuck_ms < retention_ms {
+            continue;
+        }
+        let key = RecordKey {
+            scope: stuck.scope.clone(),
+            biz_type: stuck.biz_type.clone(),
+            idem_key: stuck.key.clone(),
+        };
+        if engine.settle(&key, policy, &Resolution::Released)? == Settlement::Settled {
+            tracing::warn!(
+                biz_type = %stuck.biz_type,
+                scope = %stuck.scope,
+                key = %stuck.key,
+                status = stuck.status,
+                stuck_ms = stuck.stuck_ms,
+                failure = stuck.failure.as_deref().unwrap_or(""),
+                "a stuck key waited past stuck_retention_ms without a lookup or an operator settling it: released, so its next request runs again"
+            );
+            expired.push(stuck);
+        }
+    }
+    Ok(expired)
+}
+
 fn settlement_name(s: Settlement) -> &'static str {
     match s {
         Settlement::Settled => "settled",

@@ -1,7 +1,7 @@
 // The engine API for Node: one instance of the idem engine component over a
 // store, a clock and a result lookup.
 
-import { callEngine, decisionOut, instantiateEngine, loadComponent, responseIn, toBytes, toWitPolicy } from "./host.js";
+import { callEngine, decisionOut, instantiateEngine, loadComponent, responseIn, successIn, toBytes, toWitPolicy } from "./host.js";
 
 /** The component this package ships, loaded once per process. */
 const component = await loadComponent();
@@ -61,7 +61,15 @@ function keyIn(k, what = "key") {
 export class Idem {
   /**
    * @param {{ store: object, clock?: { now(): bigint|number, pause(ms: bigint): void },
-   *           results?: { findResult(key: { scope: string, bizType: string, idemKey: string }): string | undefined } }} options
+   *           results?: { findResult(key: { scope: string, bizType: string, idemKey: string }):
+   *             undefined | null | string | { resultRef?: string, response?: object } } }} options
+   *
+   * `results.findResult` is the business lookup of `expired_lease` /
+   * `outcome_unknown: "reconcile"` and `reconcile()`: undefined or null when
+   * surely no result exists, the result reference (a string), or
+   * `{ resultRef, response }` as given to `complete` (the response is then
+   * replayed to duplicates). Throw a StoreError when unsure. A result that
+   * breaks complete's rules is a failed lookup: nothing is stored.
    */
   constructor({ store, clock = systemClock, results = noResults } = {}) {
     if (!store) throw new TypeError("Idem: options.store is required (e.g. new SqliteStore(path))");
@@ -97,7 +105,7 @@ export class Idem {
 
   /** Stores the success of the action owned by `ticket`: "recorded" or "lost-ownership". */
   complete(ticket, policy, { resultRef, response } = {}) {
-    const success = { resultRef: resultRef ?? undefined, response: responseIn(response) };
+    const success = successIn({ resultRef, response });
     return callEngine(() => this.engine.complete(ticket, toWitPolicy(policy), success)).tag;
   }
 

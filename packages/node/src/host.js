@@ -94,7 +94,8 @@ function guard(op, f) {
  * Instantiates `component` (from loadComponent) over `store` (an object with
  * insertIfAbsent, get, compareAndSwap, deleteExpired, listStale, in jco's
  * shapes), `clock` ({ now(): bigint, pause(ms: bigint) }) and `results`
- * ({ findResult(key): string | undefined }). Returns the raw `engine` export.
+ * ({ findResult(key) }, answering as `foundIn` reads). Returns the raw
+ * `engine` export.
  */
 export function instantiateEngine(component, { store, clock, results }) {
   const s = {
@@ -105,7 +106,7 @@ export function instantiateEngine(component, { store, clock, results }) {
     listStale: guard("list-stale", (b, n, l) => store.listStale(b, n, l)),
   };
   const c = { now: () => BigInt(clock.now()), pause: (d) => clock.pause(d) };
-  const r = { findResult: guard("find-result", (k) => results.findResult(k) ?? undefined) };
+  const r = { findResult: guard("find-result", (k) => foundIn(results.findResult(k))) };
   const imports = {
     "idem:engine/store": s, "idem:engine/store@0.2.0": s,
     "idem:engine/clock": c, "idem:engine/clock@0.2.0": c,
@@ -246,6 +247,29 @@ export function callEngine(f) {
     if (e && typeof e === "object" && "payload" in e && e.payload && typeof e.payload.tag === "string") throw new EngineError(e.payload);
     throw e;
   }
+}
+
+/**
+ * A success as the component wants it (`complete`'s argument, and the
+ * result a lookup found): `{ resultRef?, response? }`, the response as
+ * `responseIn` reads it (`what` names it in errors).
+ */
+export function successIn({ resultRef, response } = {}, what = "response") {
+  return { resultRef: resultRef ?? undefined, response: responseIn(response, what) };
+}
+
+/**
+ * What `results.findResult(key)` answered, as jco's `option<success>`:
+ * undefined or null (surely no result) is none; a string is a success with
+ * that result reference; an object `{ resultRef?, response? }` is the
+ * success, converted as `complete`'s (`successIn`). Anything else, or a
+ * response that breaks complete's rules, throws: the lookup failed.
+ */
+export function foundIn(found) {
+  if (found === undefined || found === null) return undefined;
+  if (typeof found === "string") return successIn({ resultRef: found });
+  if (typeof found === "object") return successIn(found, "findResult().response");
+  throw new TypeError(`findResult must return undefined, a string or { resultRef, response }, got ${typeof found}`);
 }
 
 /** A response as the component wants it: bytes as Uint8Array. */

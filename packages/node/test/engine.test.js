@@ -133,6 +133,55 @@ test("reconcile asks the business side and settles the key", () => {
   assert.equal(r.resultRef, "order-77");
 });
 
+test("a lookup may find a full response: stored, and replayed once the lease expired under reconcile", () => {
+  const found = new Map([["k", { resultRef: "order-8", response: ok(201, '{"order":"order-8"}') }]]);
+  let lookups = 0;
+  const { idem, clock, path } = setup({ results: { findResult: (k) => (lookups++, found.get(k.idemKey)) } });
+  const policy = { expired_lease: "reconcile", lease_ms: 1000 };
+  assert.equal(idem.begin({ ...key("k"), body: {}, policy }).decision, "execute");
+  clock.advance(1001);
+  const r = idem.begin({ ...key("k"), body: {}, policy });
+  assert.equal(lookups, 1);
+  assert.equal(r.decision, "replay");
+  assert.equal(r.resultRef, "order-8");
+  assert.equal(r.response.status, 201);
+  assert.deepEqual(r.response.headers.map(([n, v]) => [n, v.toString()]), [["content-type", "application/json"]]);
+  assert.equal(r.response.body.toString(), '{"order":"order-8"}');
+  assert.equal(r.completedAt, T0 + 1001);
+  // Stored: another engine over the file replays it without asking again.
+  const other = new Idem({ store: new SqliteStore(path), clock });
+  const again = other.begin({ ...key("k"), body: {}, policy });
+  assert.equal(lookups, 1);
+  assert.equal(again.decision, "replay");
+  assert.equal(again.response.status, 201);
+  assert.equal(again.response.body.toString(), '{"order":"order-8"}');
+  assert.equal(idem.inspect(key("k")).status, "succeeded");
+});
+
+test("a found result that breaks complete's rules (status 99) is a failed lookup: nothing is stored", () => {
+  const found = new Map([["k", { resultRef: "order-9", response: { status: 99, body: "x" } }]]);
+  const { idem, clock } = setup({ results: { findResult: (k) => found.get(k.idemKey) } });
+  const policy = { expired_lease: "reconcile", lease_ms: 1000 };
+  assert.equal(idem.begin({ ...key("k"), body: {}, policy }).decision, "execute");
+  clock.advance(1001);
+  assert.throws(() => idem.begin({ ...key("k"), body: {}, policy }), (e) => e instanceof EngineError && e.kind === "store" && e.storeKind === "internal");
+  const s = idem.inspect(key("k"));
+  assert.equal(s.status, "processing");
+  assert.equal(s.resultRef, null);
+  assert.equal(s.attempts, 1);
+  assert.equal(s.leaseUntil, T0 + 1000);
+  // reconcile() reads it as a lookup error too and leaves the key.
+  const report = idem.reconcile("order.create", policy, 10);
+  assert.equal(report.lookupErrors, 1);
+  assert.equal(report.succeeded, 0);
+  assert.equal(idem.inspect(key("k")).status, "processing");
+  // The key stayed stale: once the lookup answers a valid result, the next begin stores and replays it.
+  found.set("k", { resultRef: "order-9", response: ok(201, "{}") });
+  const r = idem.begin({ ...key("k"), body: {}, policy });
+  assert.equal(r.decision, "replay");
+  assert.equal(r.response.status, 201);
+});
+
 test("sweep deletes settled records past retention, never a processing one", () => {
   const { idem, clock, store } = setup();
   const policy = { retention_ms: 1000 };

@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import T0
-from idem import EngineError, Idem, Response, SqliteStore
+from idem import EngineError, Idem, Response, SqliteStore, Success
 
 S, B = "tenant-1", "order.create"
 
@@ -99,6 +99,58 @@ def test_reconcile(make_env):
     assert report["examined"] == 1 and report["succeeded"] == 1
     r = env.idem.begin(S, B, "k", body={}, policy=policy)
     assert r.decision == "replay" and r.result_ref == "order-77"
+
+
+def test_lookup_finds_a_full_response_stored_and_replayed_under_reconcile(make_env):
+    resp = Response(201, [("content-type", b"application/json")], b'{"order":"order-8"}')
+    lookups = []
+
+    class Results:
+        def find_result(self, key):
+            lookups.append(getattr(key, "idem-key"))
+            return Success(result_ref="order-8", response=resp) if getattr(key, "idem-key") == "k" else None
+
+    env = make_env(results=Results())
+    policy = {"expired_lease": "reconcile", "lease_ms": 1000}
+    assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "execute"
+    env.clock.advance(1001)
+    r = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert lookups == ["k"]
+    assert r.decision == "replay" and r.result_ref == "order-8" and r.response == resp
+    assert r.completed_at == T0 + 1001
+    # Stored: another engine over the file replays it without asking again.
+    other = Idem(SqliteStore(env.path), clock=env.clock)
+    again = other.begin(S, B, "k", body={}, policy=policy)
+    assert lookups == ["k"]
+    assert again.decision == "replay" and again.result_ref == "order-8" and again.response == resp
+    assert env.idem.inspect(S, B, "k")["status"] == "succeeded"
+
+
+def test_lookup_result_breaking_completes_rules_is_a_failed_lookup(make_env):
+    found = {"k": Response(99, [], b"x")}
+
+    class Results:
+        def find_result(self, key):
+            return found.get(getattr(key, "idem-key"))
+
+    env = make_env(results=Results())
+    policy = {"expired_lease": "reconcile", "lease_ms": 1000}
+    assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "execute"
+    env.clock.advance(1001)
+    with pytest.raises(EngineError) as e:
+        env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert e.value.kind == "store" and e.value.store_kind == "internal"
+    s = env.idem.inspect(S, B, "k")
+    assert s["status"] == "processing" and s["result_ref"] is None and s["attempts"] == 1
+    assert s["lease_until"] == T0 + 1000
+    # reconcile() reads it as a lookup error too and leaves the key.
+    report = env.idem.reconcile(B, policy, 10)
+    assert report["lookup_errors"] == 1 and report["succeeded"] == 0
+    assert env.idem.inspect(S, B, "k")["status"] == "processing"
+    # The key stayed stale: once the lookup answers a valid result, the next begin stores and replays it.
+    found["k"] = Success(result_ref="order-9", response=Response(201, [], b"{}"))
+    r = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert r.decision == "replay" and r.result_ref == "order-9" and r.response.status == 201
 
 
 def test_sweep(env):

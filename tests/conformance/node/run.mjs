@@ -494,7 +494,9 @@ class Ctx {
         this.host.faults.inject(step["store-op"] === "any" ? null : step["store-op"], step.kind, step.count ?? 1);
         return undefined;
       case "results":
-        if (step.found) this.host.found.set(keyId(key(step.found.key)), str(step.found["result-ref"]));
+        // The success the lookup answers (find-result's option<success>), in the
+        // package's shape; host.js converts it as complete's.
+        if (step.found) this.host.found.set(keyId(key(step.found.key)), { resultRef: str(step.found["result-ref"]) });
         if (typeof step.failing === "boolean") this.host.failing = step.failing;
         return undefined;
       case "tamper":

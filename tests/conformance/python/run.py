@@ -29,6 +29,7 @@ sys.path.insert(0, str(CONFORMANCE.parent.parent / "packages" / "python" / "src"
 from wasmtime.component import Record, Variant  # noqa: E402
 
 from idem._host import Exports, Runtime, StoreError, get, record  # noqa: E402
+from idem.engine import Success  # noqa: E402
 from idem.sqlite import SqliteStore  # noqa: E402
 
 # Every scenario's clock starts here (2026-01-01T00:00:00Z); file times are
@@ -597,7 +598,9 @@ class Ctx:
             return NO_RESULT
         if op == "results":
             if "found" in step:
-                self.host.found[key_id(key(step["found"]["key"]))] = text(step["found"]["result-ref"])
+                # The success the lookup answers (find-result's option<success>), in
+                # the package's type; the package's linker converts it as complete's.
+                self.host.found[key_id(key(step["found"]["key"]))] = Success(result_ref=text(step["found"]["result-ref"]))
             if isinstance(step.get("failing"), bool):
                 self.host.failing = step["failing"]
             return NO_RESULT

@@ -54,7 +54,7 @@ pub use server::{ServeOptions, serve_with};
 
 pub use idem_engine::store::SharedStorage;
 use idem_engine::types::Status;
-use idem_engine::{Engine, Error, Storage};
+use idem_engine::{Engine, Error, ReconcileReport, Storage};
 use idem_layer::IdempotencyLayer;
 
 /// The most stuck keys counted per biz type and sweep: enough to see a
@@ -125,10 +125,29 @@ impl Proxy {
     ) -> Result<Proxy, ProxyError> {
         let store = store.into_shared();
         let timeout = Duration::from_millis(config.upstream_timeout_ms);
+        let with_lookup = config
+            .biz_types()
+            .into_iter()
+            .find(|b| config.lookup_for(b).is_some());
+        if let Some(biz_type) = with_lookup
+            && !engine.has_lookup()
+        {
+            return Err(ConfigError::Invalid {
+                field: "lookup".into(),
+                message: format!(
+                    "biz type '{biz_type}' has a lookup, but the engine was built without one: build it with .results(idem_server::lookup::HttpLookup::from_config(&config))"
+                ),
+            }
+            .into());
+        }
         let layer = IdempotencyLayer::new(engine, config)?;
-        for biz_type in layer.reconciling_biz_types() {
+        let config = layer.config();
+        for biz_type in layer
+            .reconciling_biz_types()
+            .filter(|b| config.lookup_for(b).is_none())
+        {
             tracing::warn!(
-                "biz type '{biz_type}' uses \"reconcile\" for expired_lease or outcome_unknown, but the proxy has no business lookup: a key whose lease expires stays blocked (answered 503) until an operator settles it; \"manual\" says so with 409 outcome-unknown"
+                "biz type '{biz_type}' uses \"reconcile\" for expired_lease or outcome_unknown, but has no lookup: a key whose lease expires stays blocked (answered 503) until an operator settles it; \"manual\" says so with 409 outcome-unknown"
             );
         }
         let upstream = Upstream::new(&upstream, timeout).map_err(ProxyError::Upstream)?;
@@ -258,9 +277,86 @@ impl Proxy {
         Ok(counted)
     }
 
+    /// Reconciles the stuck keys of every biz type that has a `lookup`
+    /// (at most `sweep_batch` each): a key whose result the lookup finds
+    /// is settled as succeeded and replays it; one it does not find is
+    /// released or left for an operator, as the biz type's policy says.
+    /// Biz types without a lookup are left alone: a reconcile that cannot
+    /// ask anyone changes nothing.
+    ///
+    /// # Errors
+    ///
+    /// The engine's; the biz types before it stay reconciled.
+    pub async fn reconcile(&self) -> Result<ReconcileReport, Error> {
+        let config = self.config().clone();
+        let engine = self.layer.engine().clone();
+        let metrics = self.metrics().clone();
+        tokio::task::spawn_blocking(move || -> Result<ReconcileReport, Error> {
+            let mut total = ReconcileReport::default();
+            for biz_type in config.biz_types() {
+                if config.lookup_for(&biz_type).is_none() {
+                    continue;
+                }
+                let policy = config.policy_for(&biz_type);
+                let r = engine.reconcile(&biz_type, &policy, config.sweep_batch)?;
+                metrics.reconciled(&r);
+                total.examined += r.examined;
+                total.succeeded += r.succeeded;
+                total.released += r.released;
+                total.left_for_manual += r.left_for_manual;
+                total.skipped += r.skipped;
+                total.lookup_errors += r.lookup_errors;
+            }
+            Ok(total)
+        })
+        .await
+        .map_err(|e| Error::Trap(format!("the reconcile did not finish: {e}")))?
+    }
+
+    /// Releases the stuck keys that waited past their biz type's
+    /// `stuck_retention_ms` (at most `sweep_batch` examined per biz type),
+    /// logging each one ([`crate::operator::expire_stuck`]), and counts them
+    /// in `idem_stuck_keys_expired`. Returns how many were released.
+    ///
+    /// # Errors
+    ///
+    /// The engine's; the keys released before it stay released.
+    pub async fn expire_stuck(&self) -> Result<u64, Error> {
+        let config = self.config().clone();
+        let engine = self.layer.engine().clone();
+        let store = self.inner.store.clone();
+        let released = tokio::task::spawn_blocking(move || -> Result<u64, Error> {
+            let now = idem_engine::clock::Clock::now(&idem_engine::SystemClock::new());
+            let mut released = 0;
+            for biz_type in config.biz_types() {
+                let Some(retention) = config.stuck_retention_for(&biz_type) else {
+                    continue;
+                };
+                let policy = config.policy_for(&biz_type);
+                let expired = crate::operator::expire_stuck(
+                    &engine,
+                    store.as_ref(),
+                    &policy,
+                    &biz_type,
+                    retention,
+                    now,
+                    config.sweep_batch,
+                )?;
+                released += expired.len() as u64;
+            }
+            Ok(released)
+        })
+        .await
+        .map_err(|e| Error::Trap(format!("the stuck-key expiry did not finish: {e}")))??;
+        self.metrics().stuck_keys_expired(released);
+        Ok(released)
+    }
+
     /// Starts the background sweep every `sweep_interval_ms`; `None` when
-    /// it is disabled (0). Each sweep also counts the stuck keys
-    /// ([`Proxy::count_stuck`]). Abort the task to stop it: a batch already
+    /// it is disabled (0). Each sweep deletes expired keys, reconciles the
+    /// biz types that have a lookup ([`Proxy::reconcile`]), releases the
+    /// stuck keys past their retention ([`Proxy::expire_stuck`]) and counts
+    /// those left ([`Proxy::count_stuck`]). Abort the task to stop it: a batch already
     /// started finishes on its blocking thread, and is one atomic delete.
     pub fn spawn_sweeper(&self) -> Option<tokio::task::JoinHandle<()>> {
         let interval = self.config().sweep_interval_ms;
@@ -275,6 +371,21 @@ impl Proxy {
                     Ok(0) => tracing::debug!("sweep: nothing expired"),
                     Ok(n) => tracing::info!(deleted = n, "sweep: expired keys deleted"),
                     Err(e) => tracing::warn!(error = %e, "sweep failed"),
+                }
+                match proxy.reconcile().await {
+                    Ok(r) if r.examined == 0 => {}
+                    Ok(r) => tracing::info!(
+                        examined = r.examined,
+                        succeeded = r.succeeded,
+                        released = r.released,
+                        left_for_manual = r.left_for_manual,
+                        lookup_errors = r.lookup_errors,
+                        "reconcile: stuck keys examined with their lookup"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "reconcile failed"),
+                }
+                if let Err(e) = proxy.expire_stuck().await {
+                    tracing::warn!(error = %e, "releasing the stuck keys past their retention failed");
                 }
                 match proxy.count_stuck().await {
                     Ok((0, 0)) => {}

@@ -27,6 +27,7 @@ from .engine import (
     OutcomeUnknown,
     Replay,
     Response,
+    Success,
     SystemClock,
 )
 from .sqlite import SqliteStore
@@ -36,6 +37,6 @@ __all__ = [
     "IdempotencyFailedError", "IdempotencyInProgressError", "IdempotencyKeyMismatchError",
     "IdempotencyLostOwnershipError", "IdempotencyOutcomeUnknownError", "IdempotencyValidationError",
     "idempotent", "Execute", "Failed", "Failure", "Idem", "InProgress", "Invalid", "ManualClock", "Mismatch",
-    "OutcomeUnknown", "Replay", "Response", "SystemClock", "SqliteStore",
+    "OutcomeUnknown", "Replay", "Response", "Success", "SystemClock", "SqliteStore",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ import threading
 import weakref
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import wasmtime
 from wasmtime import _ffi as ffi
@@ -631,6 +631,41 @@ def get(r: Any, name: str) -> Any:
     return getattr(r, name)
 
 
+def response_in(r: Any, what: str = "response") -> Optional[Record]:
+    """A response (``idem.Response``: status, headers, body) as the
+    component's `stored-response`, or None."""
+    if r is None:
+        return None
+    if not isinstance(r.status, int) or not 100 <= r.status <= 599:
+        raise ValueError(f"{what}.status must be an integer from 100 to 599, got {r.status!r}")
+    return record(status=r.status, headers=[(str(n), bytes(v)) for n, v in r.headers], body=bytes(r.body))
+
+
+def success_in(result_ref: Optional[str], response: Any, what: str = "response") -> Record:
+    """A success as the component's `success` record: `complete`'s argument,
+    and the result a lookup found (`found_in`). ``what`` names the response
+    in errors."""
+    return record(result_ref=result_ref, response=response_in(response, what))
+
+
+def found_in(found: Any) -> Optional[Record]:
+    """What ``results.find_result(key)`` answered, as `option<success>`:
+    None (surely no result) is none; a str is a success with that result
+    reference; an ``idem.Success`` (``result_ref``, ``response``) is that
+    success and an ``idem.Response`` a success with that response, both
+    converted as `complete`'s (`success_in`). Anything else, or a response
+    that breaks complete's rules, raises: the lookup failed."""
+    if found is None:
+        return None
+    if isinstance(found, str):
+        return success_in(found, None)
+    if hasattr(found, "result_ref") and hasattr(found, "response"):
+        return success_in(found.result_ref, found.response, "find_result().response")
+    if hasattr(found, "status") and hasattr(found, "headers") and hasattr(found, "body"):
+        return success_in(None, found, "find_result()")
+    raise TypeError(f"find_result must return None, a str, a Success or a Response, got {type(found).__name__}")
+
+
 def ok(value: Any) -> Variant:
     return Variant("ok", value)
 
@@ -731,7 +766,8 @@ class Runtime:
         """A linker whose imports call `store` (insert_if_absent, get,
         compare_and_swap, delete_expired, list_stale, in the component's
         values), `clock` (now() -> int, pause(ms)) and `results`
-        (find_result(key) -> str | None)."""
+        (find_result(key) -> None | str | Success | Response, read by
+        `found_in`)."""
         linker = Linker(self.engine)
         with linker.root() as root:
             with root.add_instance(PACKAGE.format("store")) as s:
@@ -744,7 +780,7 @@ class Runtime:
                 _add_import(c, "now", lambda _s: int(clock.now()))
                 _add_import(c, "pause", lambda _s, d: clock.pause(d))
             with root.add_instance(PACKAGE.format("results")) as r:
-                _add_import(r, "find-result", _guarded("find-result", lambda k: results.find_result(k)))
+                _add_import(r, "find-result", _guarded("find-result", lambda k: found_in(results.find_result(k))))
         return linker
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Protocol, Union
 
 from wasmtime.component import Record
 
-from ._host import Exports, Runtime, record, unwrap
+from ._host import Exports, Runtime, record, response_in, success_in, unwrap
 
 
 class Clock(Protocol):
@@ -50,17 +50,40 @@ class ManualClock:
         self.ms = int(ms)
 
 
-class _NoResults:
-    def find_result(self, key: Any) -> None:
-        return None
-
-
 @dataclass(frozen=True)
 class Response:
     """An HTTP-shaped response kept for replay."""
     status: int
     headers: list[tuple[str, bytes]] = field(default_factory=list)
     body: bytes = b""
+
+
+@dataclass(frozen=True)
+class Success:
+    """What a successful action produced, as ``complete`` stores it: for a
+    result lookup to return."""
+    result_ref: Optional[str] = None
+    response: Optional[Response] = None
+
+
+class Results(Protocol):
+    def find_result(self, key: Any) -> Union[None, str, Success, Response]:
+        """The business result recorded under ``key`` (a record with
+        ``scope``, ``biz-type``, ``idem-key``): its result reference (a
+        str), a ``Success`` (result reference, response or both) or a
+        ``Response``, as ``complete`` would have stored it; None when surely
+        none exists. Raise StoreError when unsure: None lets the action run
+        again. A result that breaks complete's rules (a result reference
+        over 1024 bytes, a status outside 100..599) is a failed lookup:
+        nothing is stored."""
+        ...
+
+
+class _NoResults:
+    """No business lookup: every result is surely absent."""
+
+    def find_result(self, key: Any) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -146,14 +169,6 @@ def _failure_out(f: Any) -> Failure:
     return Failure(f.code, f.message, _response_out(f.response))
 
 
-def _response_in(r: Optional[Response], what: str = "response") -> Optional[Record]:
-    if r is None:
-        return None
-    if not isinstance(r.status, int) or not 100 <= r.status <= 599:
-        raise ValueError(f"{what}.status must be an integer from 100 to 599, got {r.status!r}")
-    return record(status=r.status, headers=[(str(n), bytes(v)) for n, v in r.headers], body=bytes(r.body))
-
-
 def decision_out(d: Any) -> Decision:
     """The component's decision as one of the decision classes."""
     v = d.payload
@@ -191,7 +206,7 @@ class Idem:
     Thread-safe: calls into the component are serialised by a lock.
     """
 
-    def __init__(self, store: Any, *, clock: Optional[Clock] = None, results: Any = None,
+    def __init__(self, store: Any, *, clock: Optional[Clock] = None, results: Optional[Results] = None,
                  wasm_path: Union[str, Path, None] = None):
         if store is None:
             raise TypeError("Idem: store is required (e.g. SqliteStore(path))")
@@ -235,7 +250,7 @@ class Idem:
                  response: Optional[Response] = None) -> str:
         """Stores the success of the action owned by ``ticket``:
         "recorded" or "lost-ownership"."""
-        success = record(result_ref=result_ref, response=_response_in(response))
+        success = success_in(result_ref, response)
         return self._call("complete", ticket, self._exports.policy(policy), success).tag
 
     def fail(self, ticket: Any, policy: Optional[dict[str, Any]] = None, *, code: str, message: str = "",
@@ -246,7 +261,7 @@ class Idem:
             raise ValueError(f"fail: disposition must be one of {', '.join(DISPOSITIONS)}, got {disposition!r}")
         if not isinstance(code, str):
             raise TypeError("fail: code must be a str")
-        failure = record(code=code, message=str(message), response=_response_in(response))
+        failure = record(code=code, message=str(message), response=response_in(response))
         return self._call("fail", ticket, self._exports.policy(policy), failure, disposition).tag
 
     def extend(self, ticket: Any, policy: Optional[dict[str, Any]] = None) -> Optional[int]:
