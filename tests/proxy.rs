@@ -1314,12 +1314,12 @@ fn inspect_stats_and_reconcile_report_the_records() -> Result<()> {
     });
     ensure!(stats == expected, "stats {stats}, expected {expected}");
 
-    // The proxy has no business lookup: reconcile refuses, and changes
-    // nothing (not even the fencing token of the outcome-unknown key).
+    // The biz type has no lookup: reconcile refuses, and changes nothing
+    // (not even the fencing token of the outcome-unknown key).
     let before = inspect(&w, "anonymous", "http", "k-drop")?;
     let refused = idem(&["reconcile", "--db", w.db(), "--biz", "http", "--json"])?;
     ensure!(
-        !refused.status.success() && refused.stderr.contains("no result lookup"),
+        !refused.status.success() && refused.stderr.contains("has no lookup"),
         "{refused:?}"
     );
     let rec = inspect(&w, "anonymous", "http", "k-drop")?;
