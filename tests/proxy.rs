@@ -1103,7 +1103,14 @@ fn a_restarted_proxy_still_replays() -> Result<()> {
 /// Starts `POST /slow` through the proxy, kills the proxy (SIGKILL) while
 /// the upstream works on it, and starts a new proxy on the same database.
 fn kill_mid_request(config: &str) -> Result<World> {
-    let mut w = World::start(Some(config))?;
+    kill_mid_request_with(|_| config.to_owned())
+}
+
+/// As [`kill_mid_request`], with the configuration made from the
+/// upstream's URL.
+fn kill_mid_request_with(config: impl Fn(&str) -> String) -> Result<World> {
+    let mut w = World::start_with(&config)?;
+    let config = config(&w.up.url());
     std::thread::scope(|s| -> Result<()> {
         let req = w.proxy.post("/slow?ms=300").key("k").json(BODY);
         let h = s.spawn(move || req.send());
@@ -1114,7 +1121,7 @@ fn kill_mid_request(config: &str) -> Result<World> {
         ensure!(answer.is_err(), "an answer from a killed proxy: {answer:?}");
         Ok(())
     })?;
-    w.restart(Some(config))?;
+    w.restart(Some(&config))?;
     Ok(w)
 }
 
@@ -1148,6 +1155,31 @@ fn killed_mid_request_is_taken_over_after_the_lease() -> Result<()> {
         &r,
     )?;
     expect_total(&w.up, 2)
+}
+
+/// Pitfall 6 with a lookup: the proxy is killed after the upstream ran and
+/// before the outcome was stored; after a restart, the retry past the lease
+/// asks the lookup, which finds the order: it is replayed, never run again.
+#[test]
+fn killed_mid_request_is_settled_from_the_lookup_after_a_restart() -> Result<()> {
+    let w = kill_mid_request_with(|up| {
+        format!(
+            "[defaults]\nlease_ms = 1000\nexpired_lease = \"reconcile\"\n\
+             lookup = \"{up}/lookup/{{key}}\"\n"
+        )
+    })?;
+    let r = retry_after_lease(&w)?;
+    r.expect_status(200)?;
+    ensure!(
+        r.replayed() && r.header("x-order-id") == Some("ord-1"),
+        "{r:?}"
+    );
+    expect_total(&w.up, 1)?;
+    expect_replay_of(
+        &w.proxy.post("/slow?ms=300").key("k").json(BODY).send()?,
+        &r,
+    )?;
+    expect_total(&w.up, 1)
 }
 
 #[test]
@@ -1414,6 +1446,44 @@ fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
         .collect();
     ensure!(keys.len() == 2 && keys.contains(&"paid"), "{stuck}");
     ensure!(stuck[0]["status"] == "outcome-unknown", "{stuck}");
+    // Paging: one key a page, each page after the last key's cursor.
+    let mut paged = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = vec![
+            "stuck",
+            "--db",
+            w.db(),
+            "--biz",
+            "http",
+            "--json",
+            "--limit",
+            "1",
+        ];
+        if let Some(a) = &after {
+            args.extend(["--after", a.as_str()]);
+        }
+        let page = idem_ok(&args)?.json()?;
+        let Some(last) = page.as_array().context("a list")?.last() else {
+            break;
+        };
+        paged.push(last["key"].as_str().context("key")?.to_owned());
+        after = Some(last["cursor"].as_str().context("cursor")?.to_owned());
+    }
+    ensure!(paged == keys, "pages {paged:?}, whole list {keys:?}");
+    let bad = idem(&[
+        "stuck",
+        "--db",
+        w.db(),
+        "--biz",
+        "http",
+        "--after",
+        "yesterday",
+    ])?;
+    ensure!(
+        !bad.status.success() && bad.stderr.contains("--after"),
+        "{bad:?}"
+    );
     let who = ["--auth", TEST_CLIENT, "--biz", "http"];
     let rec = idem_ok(
         &[
@@ -1569,6 +1639,17 @@ fn the_admin_operator_endpoints_need_the_token_and_settle_stuck_keys() -> Result
         stuck[0]["key"] == "k" && stuck[0]["status"] == "outcome-unknown",
         "{stuck}"
     );
+    // The next page, after the only key, is empty; a bad cursor is 400.
+    let cursor = stuck[0]["cursor"].as_str().context("cursor")?;
+    let next = Req::new("GET", &format!("{stuck_url}&after={cursor}"))
+        .header("Authorization", &bearer)
+        .send()?
+        .json()?;
+    ensure!(next == serde_json::json!([]), "{next}");
+    let bad = Req::new("GET", &format!("{stuck_url}&after=soon"))
+        .header("Authorization", &bearer)
+        .send()?;
+    ensure!(bad.status == 400 && bad.text().contains("after"), "{bad:?}");
     let who = urlencode(TEST_CLIENT);
     let rec = Req::new("GET", &format!("{admin}/keys?biz=http&key=k&auth={who}"))
         .header("Authorization", &bearer)

@@ -72,6 +72,10 @@ enum Command {
         /// The most keys to list.
         #[arg(long, default_value_t = 100)]
         limit: u32,
+        /// Start after this cursor (the last listed key's, from --json or
+        /// the text listing): the next page.
+        #[arg(long)]
+        after: Option<String>,
     },
     /// Settle a stuck key by an operator's decision: succeeded (with the
     /// response to replay), failed for good, or released for a new run.
@@ -159,9 +163,9 @@ fn main() -> Result<()> {
             let status = engine.inspect(&key)?;
             print_inspect(cli.json, &key.scope, &args.biz, &args.key, status.as_ref())
         }
-        Command::Stuck { biz, limit } => {
+        Command::Stuck { biz, limit, after } => {
             let store = open(&cli, &config)?.shared();
-            operator::stuck(store.as_ref(), biz, *limit, cli.json)
+            operator::stuck(store.as_ref(), biz, after.as_deref(), *limit, cli.json)
         }
         Command::Settle(args) => {
             let engine = open(&cli, &config)?.engine(&config)?;

@@ -191,8 +191,18 @@ pub fn settle(engine: &Engine, policy: &idem::Policy, args: &SettleArgs, json: b
 
 /// Runs `idem stuck`: the biz type's processing records whose lease has
 /// ended and its outcome-unknown records, oldest first.
-pub fn stuck(store: &dyn Storage, biz: &str, limit: u32, json: bool) -> Result<()> {
-    let keys = idem::operator::stuck(store, biz, SystemClock::new().now(), limit)?;
+pub fn stuck(
+    store: &dyn Storage,
+    biz: &str,
+    after: Option<&str>,
+    limit: u32,
+    json: bool,
+) -> Result<()> {
+    let after = after
+        .map(str::parse)
+        .transpose()
+        .map_err(|e: String| anyhow::anyhow!("--after: {e}"))?;
+    let keys = operator::stuck(store, biz, SystemClock::new().now(), after, limit)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&keys)?);
         return Ok(());
@@ -210,6 +220,9 @@ pub fn stuck(store: &dyn Storage, biz: &str, limit: u32, json: bool) -> Result<(
             k.attempts,
             k.fencing_token
         );
+    }
+    if let Some(last) = keys.last().filter(|_| keys.len() == limit as usize) {
+        println!("more may follow: --after {}", last.cursor);
     }
     Ok(())
 }

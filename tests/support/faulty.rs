@@ -116,13 +116,16 @@ impl<S: Storage + Clone> Storage for Faulty<S> {
     fn delete_expired(&self, now: u64, limit: u32) -> Result<u32, StoreError> {
         self.run(Op::DeleteExpired, |s| s.delete_expired(now, limit))
     }
-    fn list_stale(
+    fn list_stale_after(
         &self,
         biz_type: &str,
         now: u64,
+        after: Option<idem::store::StaleCursor>,
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError> {
-        self.run(Op::ListStale, |s| s.list_stale(biz_type, now, limit))
+        self.run(Op::ListStale, |s| {
+            s.list_stale_after(biz_type, now, after, limit)
+        })
     }
     fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
         self.run(Op::CountByStatus, |s| s.count_by_status())

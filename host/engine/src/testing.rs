@@ -21,7 +21,7 @@
 //! expects an empty store and panics, naming what it expected, on a
 //! failure.
 
-use crate::store::{Storage, StoreError};
+use crate::store::{StaleCursor, Storage, StoreError};
 use crate::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome,
 };
@@ -522,6 +522,34 @@ pub fn list_stale_orders_by_updated_at_and_limits(s: &dyn Storage) {
     let first_two = s.list_stale(BIZ, T0, 2).unwrap();
     assert_eq!(ids(&first_two), ids(&all[..2]));
     assert!(s.list_stale(BIZ, T0, 0).unwrap().is_empty());
+
+    // Paging: each page starts after the last record of the one before,
+    // ties on updated_at included, and the pages add up to the whole list.
+    let mut paged = Vec::new();
+    let mut after = None;
+    loop {
+        let page = s.list_stale_after(BIZ, T0, after, 2).unwrap();
+        paged.extend(page.iter().cloned());
+        match page.last() {
+            Some(last) if page.len() == 2 => after = Some(StaleCursor::after(last)),
+            _ => break,
+        }
+    }
+    assert_eq!(ids(&paged), ids(&all));
+    let after_tie = s
+        .list_stale_after(BIZ, T0, Some(StaleCursor::after(&all[1])), 100)
+        .unwrap();
+    assert_eq!(ids(&after_tie), ids(&all[2..]));
+    let after_last = StaleCursor::after(&all[5]);
+    assert!(
+        s.list_stale_after(BIZ, T0, Some(after_last), 100)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        after_last.to_string().parse::<StaleCursor>(),
+        Ok(after_last)
+    );
 }
 
 /// Conformance case: round trip every field.

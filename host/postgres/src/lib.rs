@@ -37,8 +37,10 @@ use std::time::{Duration, Instant};
 use postgres::types::{FromSqlOwned, ToSql};
 use postgres::{Client, NoTls, Statement};
 
+use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    self as columns, TransactionSlot, parse_status, saturate, to_json, to_u32, to_u64,
+    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_json, to_u32,
+    to_u64,
 };
 use idem_engine::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
@@ -372,9 +374,11 @@ impl Sql {
             list_stale: format!(
                 "SELECT {COLUMNS} FROM {table}
                     WHERE biz_type = $1 AND status = 'processing' AND lease_until <= $2
+                        AND (updated_at, id) > ($4, $5)
                 UNION ALL
                 SELECT {COLUMNS} FROM {table}
                     WHERE biz_type = $1 AND status = 'outcome-unknown'
+                        AND (updated_at, id) > ($4, $5)
                 ORDER BY updated_at, id
                 LIMIT $3"
             ),
@@ -646,13 +650,14 @@ macro_rules! storage_over {
                 self.$on(|c| delete_expired(c, now, limit))
             }
 
-            fn list_stale(
+            fn list_stale_after(
                 &self,
                 biz_type: &str,
                 now: Timestamp,
+                after: Option<StaleCursor>,
                 limit: u32,
             ) -> Result<Vec<StoredRecord>, StoreError> {
-                self.$on(|c| list_stale(c, biz_type, now, limit))
+                self.$on(|c| list_stale(c, biz_type, now, after, limit))
             }
 
             fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
@@ -739,8 +744,10 @@ fn list_stale(
     c: &mut PgConnection,
     biz_type: &str,
     now: Timestamp,
+    after: Option<StaleCursor>,
     limit: u32,
 ) -> Result<Vec<StoredRecord>, StoreError> {
+    let (after_at, after_id) = cursor_values(after);
     // No stored biz type holds a NUL character (PostgreSQL text cannot).
     if biz_type.contains('\0') {
         return Ok(Vec::new());
@@ -749,7 +756,13 @@ fn list_stale(
         .client
         .query(
             &c.prepared.list_stale,
-            &[&biz_type, &saturate(now), &i64::from(limit)],
+            &[
+                &biz_type,
+                &saturate(now),
+                &i64::from(limit),
+                &after_at,
+                &after_id,
+            ],
         )
         .map_err(map_err)?;
     rows.iter().map(decode_row).collect()

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use idem_engine::StoreError;
 use idem_engine::api::{Policy, Resolution, Settlement};
 use idem_engine::engine::{Engine, Error};
-use idem_engine::store::Storage;
+use idem_engine::store::{StaleCursor, Storage};
 use idem_engine::types::{
     Failure, RecordKey, Status, StoredRecord, StoredResponse, Success, Timestamp,
 };
@@ -129,6 +129,9 @@ pub struct StuckKey {
     pub fencing_token: u64,
     /// The code of the failure reported, if any (e.g. `upstream-timeout`).
     pub failure: Option<String>,
+    /// Where the listing stands after this key: pass the last key's
+    /// cursor as `after` for the next page.
+    pub cursor: String,
 }
 
 impl StuckKey {
@@ -147,11 +150,14 @@ impl StuckKey {
             attempts: r.attempts,
             fencing_token: r.fencing_token,
             failure: r.failure.as_ref().map(|f| f.code.clone()),
+            cursor: StaleCursor::after(r).to_string(),
         }
     }
 }
 
-/// The stuck keys of `biz_type` at `now`, oldest first, at most `limit`.
+/// The stuck keys of `biz_type` at `now`, oldest first, at most `limit`,
+/// starting after the key whose `cursor` is `after` (the next page) or from
+/// the first.
 ///
 /// # Errors
 ///
@@ -160,10 +166,11 @@ pub fn stuck(
     store: &dyn Storage,
     biz_type: &str,
     now: Timestamp,
+    after: Option<StaleCursor>,
     limit: u32,
 ) -> Result<Vec<StuckKey>, StoreError> {
     Ok(store
-        .list_stale(biz_type, now, limit)?
+        .list_stale_after(biz_type, now, after, limit)?
         .iter()
         .map(|r| StuckKey::of(r, now))
         .collect())
@@ -355,7 +362,7 @@ pub fn expire_stuck(
     limit: u32,
 ) -> Result<Vec<StuckKey>, Error> {
     let mut expired = Vec::new();
-    for stuck in stuck(store, biz_type, now, limit)? {
+    for stuck in stuck(store, biz_type, now, None, limit)? {
         if stuck.stuck_ms < retention_ms {
             continue;
         }

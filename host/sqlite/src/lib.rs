@@ -23,8 +23,10 @@ use std::time::{Duration, Instant};
 use rusqlite::types::FromSql;
 use rusqlite::{Connection, ErrorCode, OpenFlags, ToSql, TransactionBehavior};
 
+use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    self as columns, TransactionSlot, parse_status, saturate, to_json, to_u32, to_u64,
+    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_json, to_u32,
+    to_u64,
 };
 use idem_engine::types::{
     Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
@@ -135,11 +137,13 @@ pub(crate) const SQL_LIST_STALE: &str = concat!(
     columns!(),
     " FROM idempotency_record
         WHERE biz_type = ?1 AND status = 'processing' AND lease_until <= ?2
+            AND (updated_at, id) > (?4, ?5)
     UNION ALL
     SELECT ",
     columns!(),
     " FROM idempotency_record
         WHERE biz_type = ?1 AND status = 'outcome-unknown'
+            AND (updated_at, id) > (?4, ?5)
     ORDER BY updated_at, id
     LIMIT ?3"
 );
@@ -637,13 +641,14 @@ impl Storage for SqliteStore {
         self.single(|conn| delete_expired(conn, now, limit))
     }
 
-    fn list_stale(
+    fn list_stale_after(
         &self,
         biz_type: &str,
         now: Timestamp,
+        after: Option<StaleCursor>,
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError> {
-        self.single(|conn| list_stale(conn, biz_type, now, limit))
+        self.single(|conn| list_stale(conn, biz_type, now, after, limit))
     }
 
     fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
@@ -810,13 +815,14 @@ impl Storage for SqliteTransaction {
         self.run(|conn| delete_expired(conn, now, limit))
     }
 
-    fn list_stale(
+    fn list_stale_after(
         &self,
         biz_type: &str,
         now: Timestamp,
+        after: Option<StaleCursor>,
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError> {
-        self.run(|conn| list_stale(conn, biz_type, now, limit))
+        self.run(|conn| list_stale(conn, biz_type, now, after, limit))
     }
 
     fn count_by_status(&self) -> Result<Vec<(Status, u64)>, StoreError> {
@@ -971,11 +977,19 @@ fn list_stale(
     conn: &Connection,
     biz_type: &str,
     now: Timestamp,
+    after: Option<StaleCursor>,
     limit: u32,
 ) -> Result<Vec<StoredRecord>, StoreError> {
+    let (after_at, after_id) = cursor_values(after);
     let mut stmt = conn.prepare_cached(SQL_LIST_STALE).map_err(map_err)?;
     let mut rows = stmt
-        .query((biz_type, saturate(now), i64::from(limit)))
+        .query((
+            biz_type,
+            saturate(now),
+            i64::from(limit),
+            after_at,
+            after_id,
+        ))
         .map_err(map_err)?;
     let mut records = Vec::new();
     while let Some(row) = rows.next().map_err(map_err)? {

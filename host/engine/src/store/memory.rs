@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use super::{Storage, StoreError};
+use super::{StaleCursor, Storage, StoreError};
 use crate::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 
 /// One [`Storage`] operation, for fault injection and call counting.
@@ -286,10 +286,11 @@ impl Storage for MemoryStore {
         })
     }
 
-    fn list_stale(
+    fn list_stale_after(
         &self,
         biz_type: &str,
         now: Timestamp,
+        after: Option<StaleCursor>,
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError> {
         self.run(Op::ListStale, |state| {
@@ -297,6 +298,7 @@ impl Storage for MemoryStore {
                 .records
                 .values()
                 .filter(|r| r.key.biz_type == biz_type)
+                .filter(|r| after.is_none_or(|a| StaleCursor::after(r) > a))
                 .filter(|r| match r.status {
                     Status::Processing => r.lease_until.is_some_and(|until| until <= now),
                     Status::OutcomeUnknown => true,

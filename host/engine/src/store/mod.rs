@@ -10,6 +10,7 @@ pub mod memory;
 pub mod sql;
 
 use crate::types::{InsertOutcome, RecordKey, StoredRecord, SwapOutcome, Timestamp};
+use std::fmt;
 
 #[cfg(test)]
 mod tests;
@@ -69,13 +70,27 @@ pub trait Storage: Send + Sync + 'static {
 
     /// Lists at most `limit` records of `biz_type` awaiting reconciliation:
     /// processing records whose lease ended at or before `now`, and every
-    /// outcome-unknown record, oldest `updated_at` first.
+    /// outcome-unknown record, ordered by (`updated_at`, `id`), oldest
+    /// first, starting after `after` (a page's last record, for the next
+    /// page) or from the first.
+    fn list_stale_after(
+        &self,
+        biz_type: &str,
+        now: Timestamp,
+        after: Option<StaleCursor>,
+        limit: u32,
+    ) -> Result<Vec<StoredRecord>, StoreError>;
+
+    /// The first page of [`Storage::list_stale_after`]: the `store`
+    /// import's `list-stale`.
     fn list_stale(
         &self,
         biz_type: &str,
         now: Timestamp,
         limit: u32,
-    ) -> Result<Vec<StoredRecord>, StoreError>;
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        self.list_stale_after(biz_type, now, None, limit)
+    }
 
     /// Counts records by status (for `idem stats`).
     fn count_by_status(&self) -> Result<Vec<(crate::types::Status, u64)>, StoreError>;
@@ -92,6 +107,48 @@ pub trait Storage: Send + Sync + 'static {
     /// The default is `true`, which is always safe.
     fn blocks_on_io(&self) -> bool {
         true
+    }
+}
+
+/// Where a page of [`Storage::list_stale_after`] ended: the (`updated_at`,
+/// `id`) of its last record. The next page starts after it, so a record
+/// settled or added meanwhile never shifts a page by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StaleCursor {
+    /// The last record's `updated_at`.
+    pub updated_at: Timestamp,
+    /// The last record's id.
+    pub id: u64,
+}
+
+impl StaleCursor {
+    /// The cursor after `record`.
+    pub fn after(record: &StoredRecord) -> Self {
+        Self {
+            updated_at: record.updated_at,
+            id: record.id,
+        }
+    }
+}
+
+impl fmt::Display for StaleCursor {
+    /// `<updated_at>-<id>`, as [`StaleCursor::from_str`] reads it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.updated_at, self.id)
+    }
+}
+
+impl std::str::FromStr for StaleCursor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad =
+            || format!("'{s}' is not a cursor: expected <updated_at>-<id>, as a listing gives it");
+        let (at, id) = s.split_once('-').ok_or_else(bad)?;
+        Ok(Self {
+            updated_at: at.parse().map_err(|_| bad())?,
+            id: id.parse().map_err(|_| bad())?,
+        })
     }
 }
 

@@ -3,7 +3,7 @@
 //! integers as signed 64-bit values and encode outcomes as JSON. They name
 //! the field or column in every error, as [`StoreError`]s.
 
-use super::StoreError;
+use super::{StaleCursor, StoreError};
 use crate::types::Status;
 
 /// `value` as a signed 64-bit column value; a larger value is refused
@@ -19,6 +19,13 @@ pub fn to_i64(value: u64, field: &str, limit: &str) -> Result<i64, StoreError> {
 /// larger bound compares exactly like `i64::MAX`.
 pub fn saturate(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// The (`updated_at`, `id`) a stale listing starts after, as SQL values:
+/// before every stored row (times and ids are never negative) when there
+/// is no cursor.
+pub fn cursor_values(after: Option<StaleCursor>) -> (i64, i64) {
+    after.map_or((-1, -1), |c| (saturate(c.updated_at), saturate(c.id)))
 }
 
 /// `value` as the JSON bytes of a column; an error names `field`.

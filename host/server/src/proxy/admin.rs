@@ -158,9 +158,11 @@ async fn blocking<T: Send + 'static>(
 struct StuckQuery {
     biz: String,
     limit: Option<u32>,
+    after: Option<String>,
 }
 
-/// `GET /keys/stuck?biz=B[&limit=N]`: as `idem stuck --json`.
+/// `GET /keys/stuck?biz=B[&limit=N][&after=CURSOR]`: as `idem stuck
+/// --json`; `after` is the last listed key's `cursor`, for the next page.
 async fn stuck(
     State(admin): State<Admin>,
     headers: HeaderMap,
@@ -171,8 +173,12 @@ async fn stuck(
     }
     let store = admin.inner.store.clone();
     let limit = q.limit.unwrap_or(DEFAULT_STUCK_LIMIT);
+    let after = match q.after.as_deref().map(str::parse).transpose() {
+        Ok(after) => after,
+        Err(message) => return refusal(StatusCode::BAD_REQUEST, "after", message),
+    };
     let now = SystemClock::new().now();
-    match blocking(move || Ok(operator::stuck(store.as_ref(), &q.biz, now, limit)?)).await {
+    match blocking(move || Ok(operator::stuck(store.as_ref(), &q.biz, now, after, limit)?)).await {
         Ok(keys) => Json(keys).into_response(),
         Err(refused) => refused,
     }

@@ -260,7 +260,8 @@ impl Proxy {
             let now = idem_engine::clock::Clock::now(&idem_engine::SystemClock::new());
             let (mut processing, mut unknown) = (0, 0);
             for biz_type in &biz_types {
-                for key in crate::operator::stuck(store.as_ref(), biz_type, now, STUCK_COUNT_LIMIT)?
+                for key in
+                    crate::operator::stuck(store.as_ref(), biz_type, now, None, STUCK_COUNT_LIMIT)?
                 {
                     if key.status == Status::OutcomeUnknown.as_str() {
                         unknown += 1;
