@@ -103,6 +103,13 @@ pub struct Success {
     pub response: Option<StoredResponse>,
 }
 
+impl From<&str> for Success {
+    /// A success that only carries a result reference (`Success::with_ref`).
+    fn from(result_ref: &str) -> Self {
+        Self::with_ref(result_ref)
+    }
+}
+
 impl From<String> for Success {
     /// A success that only carries a result reference (`Success::with_ref`).
     fn from(result_ref: String) -> Self {
