@@ -1,0 +1,1 @@
+//! idem's NATS JetStream adapter (being written).

@@ -1,0 +1,1 @@
+//! idem's RabbitMQ adapter (being written).
