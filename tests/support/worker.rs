@@ -25,13 +25,17 @@
 //!     "run <db> <now> <seed>" forks a child that runs `crash` (printing its
 //!     lines) and prints "pid N"; "reap N" waits for that child and prints
 //!     "reaped N". Forking skips compiling the component for every run.
+//! idem-test-worker rabbit-consume <queue> <db> <lease_ms>
+//!     consume a RabbitMQ queue through idem (see worker_rabbitmq.rs)
 //! ```
-//! The parent kills `hold` and `crash` workers with SIGKILL.
+//! The parent kills `hold`, `crash` and `rabbit-consume` workers with SIGKILL.
 
 use std::io::{BufRead, Write};
 
 #[path = "options.rs"]
 mod options;
+#[path = "worker_rabbitmq.rs"]
+mod worker_rabbitmq;
 
 use anyhow::{Context, Result, bail};
 use idem::{
@@ -169,10 +173,13 @@ fn main() -> Result<()> {
         }
         ["crash", db, now, seed] => crash(db, now.parse().context("now")?, seed.parse()?)?,
         ["crash-zygote"] => zygote()?,
+        ["rabbit-consume", queue, db, lease_ms] => {
+            worker_rabbitmq::consume(queue, db, lease_ms.parse().context("lease_ms")?)?
+        }
         _ => bail!(
             "usage: idem-test-worker race <db> <keys> | hold <db> <key> <now> <mode> \
              | hold-pg <url> <schema> <key> <now> \
-             | crash <db> <now> <seed> | crash-zygote"
+             | crash <db> <now> <seed> | crash-zygote | rabbit-consume <queue> <db> <lease_ms>"
         ),
     }
     Ok(())

@@ -403,9 +403,44 @@ struct Prepared {
     count_by_status: Statement,
 }
 
+/// A client that may be dropped anywhere. The synchronous `postgres`
+/// client blocks on its own runtime when it closes, which panics on a
+/// thread that drives a tokio runtime (a store dropped inside an async
+/// task, with the consumer or the server that owned it); there it is
+/// closed on a thread of its own.
+struct OwnedClient(Option<Client>);
+
+impl std::ops::Deref for OwnedClient {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        self.0
+            .as_ref()
+            .expect("the client is present until dropped")
+    }
+}
+
+impl std::ops::DerefMut for OwnedClient {
+    fn deref_mut(&mut self) -> &mut Client {
+        self.0
+            .as_mut()
+            .expect("the client is present until dropped")
+    }
+}
+
+impl Drop for OwnedClient {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take()
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            std::thread::spawn(move || drop(client));
+        }
+    }
+}
+
 /// A pooled connection with its prepared statements.
 struct PgConnection {
-    client: Client,
+    client: OwnedClient,
     prepared: Prepared,
     /// When the pool last took the connection back after a successful
     /// operation; none before its first use and after a failed one.
@@ -446,7 +481,7 @@ impl ConnectionManager {
             count_by_status: client.prepare(&self.sql.count_by_status)?,
         };
         Ok(PgConnection {
-            client,
+            client: OwnedClient(Some(client)),
             prepared,
             returned_at: None,
             healthy: true,

@@ -52,6 +52,21 @@ mod postgres_transaction_backend {
     idem_engine::storage_conformance!(super::with_pg_transaction);
 }
 
+/// A store owned by an async task (a consumer, a server) may be dropped on
+/// a runtime's thread: its connections close elsewhere, and nothing panics.
+#[test]
+fn a_store_dropped_on_an_async_runtime_thread_closes_without_panicking() {
+    let Some(schema) = TestSchema::new() else {
+        return;
+    };
+    let store = schema.store();
+    assert_eq!(store.count_by_status().map(|c| c.len()), Ok(5));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move { drop(store) });
+}
+
 #[test]
 fn the_postgres_store_is_clone_send_sync_static() {
     fn check<T: Clone + Send + Sync + 'static>() {}

@@ -1,1 +1,564 @@
-//! idem's RabbitMQ adapter (being written).
+//! idem's RabbitMQ adapter: a queue consumer whose messages each take
+//! effect once, however often RabbitMQ delivers them.
+//!
+//! [`Topology::declare`] declares three durable queues for a queue `Q`:
+//!
+//! - `Q`, the work queue, with manual acks. Its dead-letter exchange
+//!   routes what RabbitMQ itself rejects or expires to `Q.dlq`.
+//! - `Q.retry`, where a message waits before it is delivered again: it is
+//!   published there with a per-message `expiration` (the delay), and when
+//!   that ends RabbitMQ dead-letters it back to `Q`. (RabbitMQ expires
+//!   only the message at the head of a queue, so a short delay behind a
+//!   long one waits for it: the delays here are bounded by
+//!   `ConsumerConfig::max_retry_delay`.)
+//! - `Q.dlq`, the dead-letter queue: messages that will not be retried as
+//!   they are, each with the `x-idem-dead-letter` header naming why
+//!   (`failed`, `conflict`, `outcome-unknown`, `invalid`) and
+//!   `x-idem-dead-letter-detail`.
+//!
+//! [`RabbitConsumer::run`] consumes `Q` and carries out each
+//! [`Verdict`] of the [`Consumer`]: ack; retry (published to `Q.retry`,
+//! confirmed, then the delivery is acked); dead-letter (published to
+//! `Q.dlq`, confirmed, then acked). A publish that RabbitMQ does not
+//! confirm leaves the delivery unacked (nack with requeue): a message is
+//! never lost between two queues. When the store does not answer the
+//! delivery is retried after [`STORE_RETRY_DELAY`], never acked.
+//!
+//! A message's id is its `message_id` property unless
+//! [`Options::message_id`] derives one (for example a natural key from the
+//! body); a message without one is dead-lettered as invalid.
+
+#![warn(missing_docs)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures_lite::StreamExt;
+use lapin::Confirmation;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel};
+
+pub use idem_consumer::{
+    Acked, Consumer, ConsumerConfig, ConsumerError, DeadLetterReason, HandlerError, Message,
+    RetryBudget, RetryReason, Verdict,
+};
+use idem_engine::api::BeginRequest;
+use idem_engine::engine::{Engine, Error as EngineError, RunOutcome};
+use idem_engine::types::Success;
+pub use lapin;
+
+/// The header that names why a message was dead-lettered.
+pub const DEAD_LETTER_HEADER: &str = "x-idem-dead-letter";
+
+/// The header with a sentence on why a message was dead-lettered.
+pub const DEAD_LETTER_DETAIL_HEADER: &str = "x-idem-dead-letter-detail";
+
+/// The header counting how often a message went through the retry queue.
+pub const RETRIES_HEADER: &str = "x-idem-retries";
+
+/// How long a delivery waits when the idempotency store did not answer: 1
+/// s, as the consumer's first retry. The store is most likely restarting
+/// or failing over; retrying at once would only spin.
+pub const STORE_RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// The default [`Options::prefetch`]: 16 unacked deliveries per consumer,
+/// so the next message is already on its way while one is handled, without
+/// one consumer hoarding the queue from the others.
+pub const DEFAULT_PREFETCH: u16 = 16;
+
+/// Why the adapter stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    /// RabbitMQ failed: the connection or the channel closed, or a
+    /// declaration was refused.
+    #[error("rabbitmq: {0}")]
+    Broker(#[from] lapin::Error),
+}
+
+/// The three queues of one work queue (see the crate documentation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// The work queue.
+    pub queue: String,
+    /// Where a message waits before its next delivery.
+    pub retry_queue: String,
+    /// Where a message goes that will not be retried as it is.
+    pub dead_letter_queue: String,
+}
+
+impl Topology {
+    /// The names for work queue `queue`: `queue`, `queue.retry`,
+    /// `queue.dlq`.
+    pub fn named(queue: &str) -> Self {
+        Self {
+            queue: queue.to_owned(),
+            retry_queue: format!("{queue}.retry"),
+            dead_letter_queue: format!("{queue}.dlq"),
+        }
+    }
+
+    /// Declares the three durable queues on `channel` (idempotent: a
+    /// second declaration with the same arguments changes nothing).
+    ///
+    /// # Errors
+    ///
+    /// RabbitMQ's, for instance when a queue of that name exists with other
+    /// arguments.
+    pub async fn declare(channel: &Channel, queue: &str) -> Result<Self, AdapterError> {
+        let t = Self::named(queue);
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let dead_letter_to = |target: &str| {
+            let mut args = FieldTable::default();
+            args.insert(
+                "x-dead-letter-exchange".into(),
+                AMQPValue::LongString(LongString::from("")),
+            );
+            args.insert(
+                "x-dead-letter-routing-key".into(),
+                AMQPValue::LongString(LongString::from(target)),
+            );
+            args
+        };
+        channel
+            .queue_declare(
+                t.dead_letter_queue.as_str().into(),
+                durable,
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_declare(
+                t.queue.as_str().into(),
+                durable,
+                dead_letter_to(&t.dead_letter_queue),
+            )
+            .await?;
+        channel
+            .queue_declare(
+                t.retry_queue.as_str().into(),
+                durable,
+                dead_letter_to(&t.queue),
+            )
+            .await?;
+        Ok(t)
+    }
+}
+
+/// Derives a message id from a delivery, when the `message_id` property is
+/// not the id to use.
+pub type MessageId = Arc<dyn Fn(&Delivery) -> Option<String> + Send + Sync>;
+
+/// How a [`RabbitConsumer`] consumes.
+#[derive(Clone)]
+pub struct Options {
+    /// The idempotency scope of the messages. Default: the queue's name.
+    pub scope: Option<String>,
+    /// Unacked deliveries per consumer. Default [`DEFAULT_PREFETCH`].
+    pub prefetch: u16,
+    /// The consumer tag. Default: RabbitMQ picks one.
+    pub consumer_tag: String,
+    /// Derives the message id. Default: the `message_id` property.
+    pub message_id: Option<MessageId>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            scope: None,
+            prefetch: DEFAULT_PREFETCH,
+            consumer_tag: String::new(),
+            message_id: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("scope", &self.scope)
+            .field("prefetch", &self.prefetch)
+            .field("consumer_tag", &self.consumer_tag)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a handler is given for one delivery.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The message id idem keyed it by.
+    pub id: String,
+    /// The body.
+    pub body: Vec<u8>,
+    /// Whether RabbitMQ says it delivered the message before.
+    pub redelivered: bool,
+}
+
+/// What a [`RabbitConsumer`] did, so far.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Deliveries received.
+    pub delivered: AtomicU64,
+    /// Deliveries that ran the handler and were acked.
+    pub executed: AtomicU64,
+    /// Deliveries acked as duplicates of a message that took effect.
+    pub duplicates: AtomicU64,
+    /// Deliveries sent to the retry queue.
+    pub retried: AtomicU64,
+    /// Deliveries sent to the dead-letter queue.
+    pub dead_lettered: AtomicU64,
+    /// Deliveries retried because the store did not answer.
+    pub store_errors: AtomicU64,
+}
+
+impl Stats {
+    fn count(&self, counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A counter's value.
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+/// Consumes one work queue through a [`Consumer`].
+pub struct RabbitConsumer {
+    channel: Channel,
+    topology: Topology,
+    consumer: Consumer,
+    options: Options,
+    stats: Arc<Stats>,
+}
+
+impl std::fmt::Debug for RabbitConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConsumer")
+            .field("topology", &self.topology)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitConsumer {
+    /// A consumer of `topology.queue` on `channel` (which it puts in
+    /// publisher-confirm mode with its prefetch), through `consumer`.
+    ///
+    /// # Errors
+    ///
+    /// RabbitMQ's.
+    pub async fn new(
+        channel: Channel,
+        topology: Topology,
+        consumer: Consumer,
+        options: Options,
+    ) -> Result<Self, AdapterError> {
+        channel
+            .basic_qos(options.prefetch, BasicQosOptions::default())
+            .await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self {
+            channel,
+            topology,
+            consumer,
+            options,
+            stats: Arc::new(Stats::default()),
+        })
+    }
+
+    /// The counters, shared with a running [`RabbitConsumer::run`].
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// Consumes until `shutdown` completes (after the delivery in hand is
+    /// settled) or the channel closes, running `handler` for each message
+    /// that the engine says to execute. Each delivery is handled to the end
+    /// before the next: run several consumers for parallelism.
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterError::Broker`] when the channel fails; unacked deliveries
+    /// go back to the queue.
+    pub async fn run<H, Fut, T>(
+        &self,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), AdapterError>
+    where
+        H: Fn(Incoming) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError>>,
+        T: Into<Success>,
+    {
+        let handler = &handler;
+        self.consume(
+            |incoming: Incoming| async move {
+                let message = Message {
+                    id: &incoming.id,
+                    scope: self.scope(),
+                    body: &incoming.body,
+                };
+                self.consumer
+                    .handle(&message, |_ticket| handler(incoming.clone()))
+                    .await
+            },
+            shutdown,
+        )
+        .await
+    }
+
+    /// Like [`RabbitConsumer::run`], for a blocking handler that drives
+    /// the engine itself on a blocking thread
+    /// ([`Consumer::handle_blocking`]): typically a store's
+    /// `run_in_transaction`, so that the message's business write and its
+    /// transition to succeeded commit together.
+    ///
+    /// # Errors
+    ///
+    /// As [`RabbitConsumer::run`].
+    pub async fn run_blocking<H>(
+        &self,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), AdapterError>
+    where
+        H: Fn(Incoming, &Engine, &BeginRequest, RetryBudget) -> Result<RunOutcome, EngineError>
+            + Clone
+            + Send
+            + 'static,
+    {
+        let handler = &handler;
+        self.consume(
+            |incoming: Incoming| async move {
+                let message = Message {
+                    id: &incoming.id,
+                    scope: self.scope(),
+                    body: &incoming.body,
+                };
+                let handler = handler.clone();
+                let owned = incoming.clone();
+                self.consumer
+                    .handle_blocking(&message, move |engine, request, budget| {
+                        handler(owned, engine, request, budget)
+                    })
+                    .await
+            },
+            shutdown,
+        )
+        .await
+    }
+
+    fn scope(&self) -> &str {
+        self.options
+            .scope
+            .as_deref()
+            .unwrap_or(&self.topology.queue)
+    }
+
+    /// The consume loop: `decide` says what to do with each delivery that
+    /// has an id; this carries it out.
+    async fn consume<D, DFut>(
+        &self,
+        decide: D,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), AdapterError>
+    where
+        D: Fn(Incoming) -> DFut,
+        DFut: Future<Output = Result<Verdict, ConsumerError>>,
+    {
+        let mut deliveries = self
+            .channel
+            .basic_consume(
+                self.topology.queue.as_str().into(),
+                self.options.consumer_tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let delivery = tokio::select! {
+                () = &mut shutdown => return Ok(()),
+                next = deliveries.next() => match next {
+                    Some(delivery) => delivery?,
+                    None => return Ok(()),
+                },
+            };
+            self.stats.count(&self.stats.delivered);
+            let id = match &self.options.message_id {
+                Some(derive) => derive(&delivery),
+                None => delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|id| id.as_str().to_owned()),
+            };
+            let Some(id) = id else {
+                let reason = DeadLetterReason::Invalid {
+                    message: "the message has no id: set its message_id property (or derive one with Options::message_id)".into(),
+                };
+                self.dead_letter(&delivery, &reason).await?;
+                continue;
+            };
+            let verdict = decide(Incoming {
+                id: id.clone(),
+                body: delivery.data.clone(),
+                redelivered: delivery.redelivered,
+            })
+            .await;
+            self.carry_out(&delivery, &id, verdict).await?;
+        }
+    }
+
+    /// Acks, retries or dead-letters `delivery` as `verdict` says.
+    async fn carry_out(
+        &self,
+        delivery: &Delivery,
+        id: &str,
+        verdict: Result<Verdict, ConsumerError>,
+    ) -> Result<(), AdapterError> {
+        match verdict {
+            Ok(Verdict::Ack(acked)) => {
+                self.stats.count(match acked {
+                    Acked::Executed => &self.stats.executed,
+                    Acked::Duplicate => &self.stats.duplicates,
+                });
+                delivery.ack(BasicAckOptions::default()).await?;
+                Ok(())
+            }
+            Ok(Verdict::Retry { after, why }) => {
+                tracing::debug!(id, ?why, ?after, "retrying the message later");
+                self.retry(delivery, after).await
+            }
+            Ok(Verdict::DeadLetter(reason)) => {
+                tracing::warn!(id, %reason, "dead-lettering the message");
+                self.dead_letter(delivery, &reason).await
+            }
+            Err(e) => {
+                tracing::warn!(id, error = %e, "the store did not answer; the message is retried");
+                self.stats.count(&self.stats.store_errors);
+                self.retry(delivery, STORE_RETRY_DELAY).await
+            }
+        }
+    }
+
+    /// Publishes a copy to the retry queue with `after` as its expiration,
+    /// then acks the delivery; or, when RabbitMQ does not confirm the copy,
+    /// requeues the delivery.
+    async fn retry(&self, delivery: &Delivery, after: Duration) -> Result<(), AdapterError> {
+        let mut headers = headers_of(delivery);
+        let retries = match headers.inner().get(RETRIES_HEADER) {
+            Some(AMQPValue::LongLongInt(n)) => *n + 1,
+            _ => 1,
+        };
+        headers.insert(RETRIES_HEADER.into(), AMQPValue::LongLongInt(retries));
+        let properties = delivery
+            .properties
+            .clone()
+            .with_headers(headers)
+            .with_expiration(after.as_millis().max(1).to_string().into());
+        self.stats.count(&self.stats.retried);
+        self.forward(delivery, &self.topology.retry_queue, properties)
+            .await
+    }
+
+    /// Publishes a copy to the dead-letter queue, with the reason in its
+    /// headers, then acks the delivery; or requeues it when RabbitMQ does
+    /// not confirm the copy.
+    async fn dead_letter(
+        &self,
+        delivery: &Delivery,
+        reason: &DeadLetterReason,
+    ) -> Result<(), AdapterError> {
+        let mut headers = headers_of(delivery);
+        headers.insert(
+            DEAD_LETTER_HEADER.into(),
+            AMQPValue::LongString(LongString::from(reason.code())),
+        );
+        headers.insert(
+            DEAD_LETTER_DETAIL_HEADER.into(),
+            AMQPValue::LongString(LongString::from(reason.to_string())),
+        );
+        let properties = delivery.properties.clone().with_headers(headers);
+        self.stats.count(&self.stats.dead_lettered);
+        self.forward(delivery, &self.topology.dead_letter_queue, properties)
+            .await
+    }
+
+    async fn forward(
+        &self,
+        delivery: &Delivery,
+        queue: &str,
+        properties: BasicProperties,
+    ) -> Result<(), AdapterError> {
+        let confirm = self
+            .channel
+            .basic_publish(
+                ShortString::from(""),
+                queue.into(),
+                BasicPublishOptions::default(),
+                &delivery.data,
+                properties,
+            )
+            .await?
+            .await?;
+        if matches!(confirm, Confirmation::Ack(_)) {
+            delivery.ack(BasicAckOptions::default()).await?;
+        } else {
+            tracing::warn!(
+                queue,
+                "RabbitMQ did not confirm the copy; the delivery is requeued"
+            );
+            delivery
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                })
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+fn headers_of(delivery: &Delivery) -> FieldTable {
+    delivery.properties.headers().clone().unwrap_or_default()
+}
+
+/// Publishes `body` to `queue` with `message_id` (through the default
+/// exchange, persistent) and waits for RabbitMQ's confirm; for producers
+/// and tests. `channel` must be in confirm mode
+/// (`confirm_select`) for the confirm to mean anything.
+///
+/// # Errors
+///
+/// RabbitMQ's.
+pub async fn publish(
+    channel: &Channel,
+    queue: &str,
+    message_id: &str,
+    body: &[u8],
+) -> Result<Confirmation, AdapterError> {
+    Ok(channel
+        .basic_publish(
+            ShortString::from(""),
+            queue.into(),
+            BasicPublishOptions::default(),
+            body,
+            BasicProperties::default()
+                .with_message_id(message_id.into())
+                .with_delivery_mode(2),
+        )
+        .await?
+        .await?)
+}

@@ -1,0 +1,176 @@
+//! Consumers killed with SIGKILL mid-message, on the real RabbitMQ
+//! (127.0.0.1:5672): RabbitMQ redelivers what a dead consumer held, the
+//! next consumer replays or takes the message over once its lease ends,
+//! and every message takes effect exactly once. The consumers are
+//! `idem-test-worker rabbit-consume` processes on one SQLite file; each
+//! writes its business row in the same transaction as its idempotency
+//! record.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail, ensure};
+use idem_rabbitmq::lapin::options::{
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use idem_rabbitmq::lapin::types::FieldTable;
+use idem_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
+use idem_rabbitmq::{Topology, publish};
+
+const MESSAGES: usize = 200;
+const KILLS: usize = 20;
+const CONSUMERS: usize = 2;
+/// Short, so that a message whose consumer died is taken over soon.
+const LEASE_MS: &str = "500";
+/// The longest the consumers may take to drain the queue after the kills.
+const DRAIN: Duration = Duration::from_secs(90);
+
+struct Worker {
+    child: Child,
+}
+
+impl Worker {
+    fn start(queue: &str, db: &str) -> Result<Self> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idem-test-worker"))
+            .args(["rabbit-consume", queue, db, LEASE_MS])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        ensure!(line.trim() == "ready", "the worker said {line:?}");
+        Ok(Self { child })
+    }
+
+    fn kill(&mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A small deterministic generator (xorshift), seeded from the clock and
+/// printed, so a failing run can be repeated.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+async fn ready(channel: &Channel, queue: &str) -> Result<u32> {
+    Ok(channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?
+        .message_count())
+}
+
+#[test]
+fn consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = dir.path().join("idem.db");
+    let db = db.to_str().context("utf-8 path")?.to_owned();
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();
+    let queue = format!("idem-test-kill-{}-{nanos}", std::process::id());
+    let seed = (nanos as u64) | 1;
+    println!("seed {seed}");
+    let mut rng = Rng(seed);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (conn, channel) = runtime.block_on(async {
+        let conn = Connection::connect(
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            ConnectionProperties::default(),
+        )
+        .await
+        .context("RabbitMQ on 127.0.0.1:5672 must answer: `.ci/run` checks it")?;
+        let channel = conn.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Topology::declare(&channel, &queue).await?;
+        // Each message twice: a producer retry.
+        for i in 0..MESSAGES {
+            for _ in 0..2 {
+                publish(&channel, &queue, &format!("m-{i}"), b"{}").await?;
+            }
+        }
+        anyhow::Ok((conn, channel))
+    })?;
+
+    let mut workers = (0..CONSUMERS)
+        .map(|_| Worker::start(&queue, &db))
+        .collect::<Result<Vec<_>>>()?;
+    for kill in 0..KILLS {
+        std::thread::sleep(Duration::from_millis(10 + rng.below(90)));
+        let w = kill % CONSUMERS;
+        workers[w].kill()?;
+        workers[w] = Worker::start(&queue, &db)?;
+    }
+
+    let topology = Topology::named(&queue);
+    let business = rusqlite::Connection::open(&db)?;
+    let count = |sql: &str| -> Result<i64> { Ok(business.query_row(sql, [], |r| r.get(0))?) };
+    let deadline = Instant::now() + DRAIN;
+    loop {
+        let distinct = count("SELECT COUNT(DISTINCT idem_key) FROM orders")?;
+        let waiting = runtime.block_on(async {
+            anyhow::Ok(
+                ready(&channel, &topology.queue).await?
+                    + ready(&channel, &topology.retry_queue).await?,
+            )
+        })?;
+        if distinct == MESSAGES as i64 && waiting == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("after {DRAIN:?}: {distinct} messages took effect, {waiting} still queued");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(workers);
+    let rows = count("SELECT COUNT(*) FROM orders")?;
+    ensure!(
+        rows == MESSAGES as i64,
+        "{rows} business rows for {MESSAGES} messages: a message took effect twice"
+    );
+    let dead = runtime.block_on(ready(&channel, &topology.dead_letter_queue))?;
+    ensure!(dead == 0, "{dead} messages dead-lettered");
+    println!(
+        "rabbitmq kills: {MESSAGES} messages published twice, {KILLS} consumers killed with SIGKILL, {rows} effects"
+    );
+    runtime.block_on(async {
+        for q in [
+            &topology.queue,
+            &topology.retry_queue,
+            &topology.dead_letter_queue,
+        ] {
+            channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        conn.close(200, "done".into()).await?;
+        anyhow::Ok(())
+    })
+}
