@@ -158,6 +158,11 @@ impl Topology {
 /// not the id to use.
 pub type MessageId = Arc<dyn Fn(&Delivery) -> Option<String> + Send + Sync>;
 
+/// Called after each delivery is settled with what was done (`executed`,
+/// `duplicate`, `retried`, `dead-lettered`, `store-error`) and how long it
+/// took from its arrival: for metrics.
+pub type OnSettled = Arc<dyn Fn(&'static str, Duration) + Send + Sync>;
+
 /// How a [`RabbitConsumer`] consumes.
 #[derive(Clone)]
 pub struct Options {
@@ -169,6 +174,8 @@ pub struct Options {
     pub consumer_tag: String,
     /// Derives the message id. Default: the `message_id` property.
     pub message_id: Option<MessageId>,
+    /// Observes each settled delivery. Default: none.
+    pub on_settled: Option<OnSettled>,
 }
 
 impl Default for Options {
@@ -178,6 +185,7 @@ impl Default for Options {
             prefetch: DEFAULT_PREFETCH,
             consumer_tag: String::new(),
             message_id: None,
+            on_settled: None,
         }
     }
 }
@@ -188,7 +196,9 @@ impl std::fmt::Debug for Options {
             .field("scope", &self.scope)
             .field("prefetch", &self.prefetch)
             .field("consumer_tag", &self.consumer_tag)
-            .finish_non_exhaustive()
+            .field("message_id", &self.message_id.is_some())
+            .field("on_settled", &self.on_settled.is_some())
+            .finish()
     }
 }
 
@@ -395,6 +405,7 @@ impl RabbitConsumer {
                     None => return Ok(()),
                 },
             };
+            let arrived = std::time::Instant::now();
             self.stats.count(&self.stats.delivered);
             let id = match &self.options.message_id {
                 Some(derive) => derive(&delivery),
@@ -409,6 +420,7 @@ impl RabbitConsumer {
                     message: "the message has no id: set its message_id property (or derive one with Options::message_id)".into(),
                 };
                 self.dead_letter(&delivery, &reason).await?;
+                self.observe("dead-lettered", arrived);
                 continue;
             };
             let verdict = decide(Incoming {
@@ -417,38 +429,50 @@ impl RabbitConsumer {
                 redelivered: delivery.redelivered,
             })
             .await;
-            self.carry_out(&delivery, &id, verdict).await?;
+            let done = self.carry_out(&delivery, &id, verdict).await?;
+            self.observe(done, arrived);
         }
     }
 
-    /// Acks, retries or dead-letters `delivery` as `verdict` says.
+    fn observe(&self, done: &'static str, arrived: std::time::Instant) {
+        if let Some(f) = &self.options.on_settled {
+            f(done, arrived.elapsed());
+        }
+    }
+
+    /// Acks, retries or dead-letters `delivery` as `verdict` says; returns
+    /// what it did, as [`OnSettled`] names it.
     async fn carry_out(
         &self,
         delivery: &Delivery,
         id: &str,
         verdict: Result<Verdict, ConsumerError>,
-    ) -> Result<(), AdapterError> {
+    ) -> Result<&'static str, AdapterError> {
         match verdict {
             Ok(Verdict::Ack(acked)) => {
-                self.stats.count(match acked {
-                    Acked::Executed => &self.stats.executed,
-                    Acked::Duplicate => &self.stats.duplicates,
-                });
+                let (counter, done) = match acked {
+                    Acked::Executed => (&self.stats.executed, "executed"),
+                    Acked::Duplicate => (&self.stats.duplicates, "duplicate"),
+                };
                 delivery.ack(BasicAckOptions::default()).await?;
-                Ok(())
+                self.stats.count(counter);
+                Ok(done)
             }
             Ok(Verdict::Retry { after, why }) => {
                 tracing::debug!(id, ?why, ?after, "retrying the message later");
-                self.retry(delivery, after).await
+                self.retry(delivery, after).await?;
+                Ok("retried")
             }
             Ok(Verdict::DeadLetter(reason)) => {
                 tracing::warn!(id, %reason, "dead-lettering the message");
-                self.dead_letter(delivery, &reason).await
+                self.dead_letter(delivery, &reason).await?;
+                Ok("dead-lettered")
             }
             Err(e) => {
                 tracing::warn!(id, error = %e, "the store did not answer; the message is retried");
                 self.stats.count(&self.stats.store_errors);
-                self.retry(delivery, STORE_RETRY_DELAY).await
+                self.retry(delivery, STORE_RETRY_DELAY).await?;
+                Ok("store-error")
             }
         }
     }

@@ -1,0 +1,190 @@
+//! Messages per second through the RabbitMQ adapter with idem, against the
+//! same consumers acking without idem: same run, same broker, same
+//! prefetch, 4 consumers on one queue each. Prints both rates, the ratio
+//! and the p99 of the time from a delivery's arrival to its settlement.
+//!
+//! ```text
+//! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [-- --smoke]
+//! ```
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use futures_lite::StreamExt;
+use idem_consumer::{Consumer, ConsumerConfig};
+use idem_engine::Engine;
+use idem_rabbitmq::lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeleteOptions,
+};
+use idem_rabbitmq::lapin::types::FieldTable;
+use idem_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
+use idem_rabbitmq::{
+    DEFAULT_PREFETCH, Incoming, Options, RabbitConsumer, Stats, Topology, publish,
+};
+use idem_sqlite::{SqliteOptions, SqliteStore};
+
+const CONSUMERS: usize = 4;
+const DEFAULT_MESSAGES: usize = 5_000;
+const SMOKE_MESSAGES: usize = 100;
+
+type Latencies = Arc<Mutex<Vec<Duration>>>;
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let messages = if args.iter().any(|a| a == "--smoke") {
+        SMOKE_MESSAGES
+    } else {
+        match args.iter().position(|a| a == "--messages") {
+            Some(i) => args.get(i + 1).context("--messages N")?.parse()?,
+            None => DEFAULT_MESSAGES,
+        }
+    };
+    let conn = Connection::connect(
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+        ConnectionProperties::default(),
+    )
+    .await
+    .context("RabbitMQ on 127.0.0.1:5672")?;
+    let producer = conn.create_channel().await?;
+    producer
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+
+    let (bare, bare_p99) = run("bare", &conn, &producer, messages, false).await?;
+    let (idem, idem_p99) = run("idem", &conn, &producer, messages, true).await?;
+    println!(
+        "rabbitmq, {CONSUMERS} consumers, {messages} messages: bare {bare:.0} msg/s (p99 {bare_p99:?}), \
+         idem on SQLite {idem:.0} msg/s (p99 {idem_p99:?}), ratio {:.2}",
+        idem / bare
+    );
+    Ok(())
+}
+
+/// Publishes `messages` to a fresh queue, then consumes them with
+/// [`CONSUMERS`] consumers; returns messages per second and the p99.
+async fn run(
+    name: &str,
+    conn: &Connection,
+    producer: &Channel,
+    messages: usize,
+    with_idem: bool,
+) -> Result<(f64, Duration)> {
+    let queue = format!("idem-bench-{name}-{}", std::process::id());
+    let topology = Topology::declare(producer, &queue).await?;
+    for i in 0..messages {
+        publish(
+            producer,
+            &queue,
+            &format!("m-{i}"),
+            b"{\"sku\":\"A1\",\"qty\":1}",
+        )
+        .await?;
+    }
+    let dir = tempfile::tempdir()?;
+    let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())?;
+    let latencies: Latencies = Arc::default();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    let mut stats = Vec::new();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    for _ in 0..CONSUMERS {
+        let channel = conn.create_channel().await?;
+        let lat = latencies.clone();
+        let mut stopped = stopped.clone();
+        let shutdown = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        if with_idem {
+            let engine = Engine::builder().storage(store.clone()).build()?;
+            let consumer = Consumer::new(engine, ConsumerConfig::new("bench"));
+            let options = Options {
+                on_settled: Some(Arc::new(move |_, took| {
+                    lat.lock().expect("latencies").push(took);
+                })),
+                ..Options::default()
+            };
+            let rabbit = RabbitConsumer::new(channel, topology.clone(), consumer, options).await?;
+            stats.push(rabbit.stats());
+            tasks.push(tokio::spawn(async move {
+                rabbit
+                    .run(
+                        |_m: Incoming| async { Ok::<_, idem_consumer::HandlerError>("done") },
+                        shutdown,
+                    )
+                    .await
+                    .map_err(anyhow::Error::from)
+            }));
+        } else {
+            let queue = queue.clone();
+            let done = Arc::new(Stats::default());
+            stats.push(done.clone());
+            tasks.push(tokio::spawn(bare_consumer(
+                channel, queue, lat, done, shutdown,
+            )));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while stats.iter().map(|s| Stats::get(&s.executed)).sum::<u64>() < messages as u64 {
+        if Instant::now() > deadline {
+            bail!("{name}: not done within 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = start.elapsed();
+    let _ = stop.send(true);
+    for t in tasks {
+        t.await??;
+    }
+    for q in [
+        &topology.queue,
+        &topology.retry_queue,
+        &topology.dead_letter_queue,
+    ] {
+        producer
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+    }
+    let mut l = latencies.lock().expect("latencies").clone();
+    l.sort();
+    let p99 = l.get(l.len() * 99 / 100).copied().unwrap_or_default();
+    Ok((messages as f64 / elapsed.as_secs_f64(), p99))
+}
+
+/// The same work without idem: ack each delivery.
+async fn bare_consumer(
+    channel: Channel,
+    queue: String,
+    latencies: Latencies,
+    done: Arc<Stats>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<()> {
+    channel
+        .basic_qos(DEFAULT_PREFETCH, BasicQosOptions::default())
+        .await?;
+    let mut deliveries = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let delivery = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            next = deliveries.next() => match next {
+                Some(d) => d?,
+                None => return Ok(()),
+            },
+        };
+        // As the adapter measures it: from the delivery's arrival to its ack.
+        let arrived = Instant::now();
+        delivery.ack(BasicAckOptions::default()).await?;
+        latencies.lock().expect("latencies").push(arrived.elapsed());
+        done.executed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
