@@ -1948,6 +1948,44 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
     Ok(())
 }
 
+/// Checklist item 7, the compensation task: under "manual", nobody asks;
+/// the background sweep reconciles the stuck key through the lookup, and
+/// the next request replays what the lookup found.
+#[test]
+fn the_sweep_settles_stuck_keys_through_the_lookup_in_the_background() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let up = Upstream::start()?;
+    let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
+        .admin()
+        .config(&format!(
+            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n\
+             [defaults]\nlease_ms = 500\nlookup = \"{}/lookup/{{key}}\"\n",
+            up.url()
+        ))
+        .start()?;
+    let admin = proxy.admin.clone().context("admin")?;
+    hang_once(&proxy, "/hang-once", "k")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = ureq::get(&format!("{admin}/metrics"))
+            .call()?
+            .into_body()
+            .read_to_string()?;
+        if metrics.contains("idem_reconciled_total{outcome=\"succeeded\"} 1") {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "never reconciled: {metrics}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = proxy.post("/hang-once").key("k").json(BODY).send()?;
+    r.expect_status(200)?;
+    ensure!(
+        r.replayed() && r.header("x-order-id") == Some("ord-1"),
+        "{r:?}"
+    );
+    expect_runs(&up, "k", 1)
+}
+
 /// A stuck key is bounded: past `stuck_retention_ms` the sweep logs it
 /// (naming the key) and releases it, and the next request runs again.
 #[test]
