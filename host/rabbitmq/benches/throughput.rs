@@ -1,10 +1,10 @@
 //! Messages per second through the RabbitMQ adapter with idem, against the
 //! same consumers acking without idem: same run, same broker, same
-//! prefetch, 4 consumers on one queue each. Prints both rates, the ratio
+//! prefetch, 4 consumers on one queue (or `--consumers N`). Prints both rates, the ratio
 //! and the p99 of the time from a delivery's arrival to its settlement.
 //!
 //! ```text
-//! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [-- --smoke]
+//! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [--consumers N] [--smoke]
 //! ```
 
 use std::sync::{Arc, Mutex};
@@ -24,7 +24,8 @@ use idem_rabbitmq::{
 };
 use idem_sqlite::{SqliteOptions, SqliteStore};
 
-const CONSUMERS: usize = 4;
+/// The issue's measure point; `--consumers N` changes it.
+const DEFAULT_CONSUMERS: usize = 4;
 const DEFAULT_MESSAGES: usize = 5_000;
 const SMOKE_MESSAGES: usize = 100;
 
@@ -33,6 +34,10 @@ type Latencies = Arc<Mutex<Vec<Duration>>>;
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    let consumers = match args.iter().position(|a| a == "--consumers") {
+        Some(i) => args.get(i + 1).context("--consumers N")?.parse()?,
+        None => DEFAULT_CONSUMERS,
+    };
     let messages = if args.iter().any(|a| a == "--smoke") {
         SMOKE_MESSAGES
     } else {
@@ -52,10 +57,10 @@ async fn main() -> Result<()> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
 
-    let (bare, bare_p99) = run("bare", &conn, &producer, messages, false).await?;
-    let (idem, idem_p99) = run("idem", &conn, &producer, messages, true).await?;
+    let (bare, bare_p99) = run("bare", &conn, &producer, messages, consumers, false).await?;
+    let (idem, idem_p99) = run("idem", &conn, &producer, messages, consumers, true).await?;
     println!(
-        "rabbitmq, {CONSUMERS} consumers, {messages} messages: bare {bare:.0} msg/s (p99 {bare_p99:?}), \
+        "rabbitmq, {consumers} consumers, {messages} messages: bare {bare:.0} msg/s (p99 {bare_p99:?}), \
          idem on SQLite {idem:.0} msg/s (p99 {idem_p99:?}), ratio {:.2}",
         idem / bare
     );
@@ -63,12 +68,13 @@ async fn main() -> Result<()> {
 }
 
 /// Publishes `messages` to a fresh queue, then consumes them with
-/// [`CONSUMERS`] consumers; returns messages per second and the p99.
+/// `consumers` consumers; returns messages per second and the p99.
 async fn run(
     name: &str,
     conn: &Connection,
     producer: &Channel,
     messages: usize,
+    consumers: usize,
     with_idem: bool,
 ) -> Result<(f64, Duration)> {
     let queue = format!("idem-bench-{name}-{}", std::process::id());
@@ -83,13 +89,19 @@ async fn run(
         .await?;
     }
     let dir = tempfile::tempdir()?;
-    let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())?;
+    let store = SqliteStore::open(
+        dir.path().join("idem.db"),
+        SqliteOptions {
+            group_commit: std::env::var_os("IDEM_BENCH_GROUP_COMMIT").is_some(),
+            ..SqliteOptions::default()
+        },
+    )?;
     let latencies: Latencies = Arc::default();
     let start = Instant::now();
     let mut tasks = Vec::new();
     let mut stats = Vec::new();
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    for _ in 0..CONSUMERS {
+    for _ in 0..consumers {
         let channel = conn.create_channel().await?;
         let lat = latencies.clone();
         let mut stopped = stopped.clone();
