@@ -85,15 +85,104 @@ async fn ready(channel: &Channel, queue: &str) -> Result<u32> {
         .message_count())
 }
 
+/// Where the consumers keep their records and business rows, and how the
+/// test counts those rows.
+trait Business {
+    /// The worker's `db` argument.
+    fn db(&self) -> String;
+    /// The value of a `SELECT COUNT(...) FROM orders`-style query.
+    fn count(&mut self, what: &str) -> Result<i64>;
+}
+
+struct Sqlite {
+    path: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Business for Sqlite {
+    fn db(&self) -> String {
+        self.path.clone()
+    }
+
+    fn count(&mut self, what: &str) -> Result<i64> {
+        let conn = rusqlite::Connection::open(&self.path)?;
+        Ok(conn.query_row(&format!("SELECT {what} FROM orders"), [], |r| r.get(0))?)
+    }
+}
+
+struct Postgres {
+    url: String,
+    schema: String,
+    client: postgres::Client,
+}
+
+impl Business for Postgres {
+    fn db(&self) -> String {
+        format!("{}#{}", self.url, self.schema)
+    }
+
+    fn count(&mut self, what: &str) -> Result<i64> {
+        let sql = format!("SELECT {what} FROM \"{}\".orders", self.schema);
+        Ok(self.client.query_one(&sql, &[])?.get(0))
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        let _ = self.client.batch_execute(&format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            self.schema
+        ));
+    }
+}
+
 #[test]
 fn consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let db = dir.path().join("idem.db");
-    let db = db.to_str().context("utf-8 path")?.to_owned();
+    let path = dir.path().join("idem.db");
+    let path = path.to_str().context("utf-8 path")?.to_owned();
+    // The table exists before the workers start (each also creates it).
+    rusqlite::Connection::open(&path)?.execute(
+        "CREATE TABLE IF NOT EXISTS orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)",
+        [],
+    )?;
+    kill_run("sqlite", &mut Sqlite { path, _dir: dir })
+}
+
+/// Two consumer processes on one PostgreSQL database.
+#[test]
+fn consumer_processes_on_postgres_killed_mid_message_run_nothing_twice() -> Result<()> {
+    let Ok(url) = std::env::var("IDEM_TEST_PG_URL") else {
+        eprintln!("skipped: IDEM_TEST_PG_URL is not set (CI sets it)");
+        return Ok(());
+    };
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.subsec_nanos();
+    let schema = format!("idem_kill_{}_{nanos}", std::process::id());
+    let mut client = postgres::Client::connect(&url, postgres::NoTls)?;
+    client.batch_execute(&format!(
+        "CREATE SCHEMA \"{schema}\"; \
+         CREATE TABLE \"{schema}\".orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)"
+    ))?;
+    kill_run(
+        "postgres",
+        &mut Postgres {
+            url,
+            schema,
+            client,
+        },
+    )
+}
+
+/// Publishes [`MESSAGES`] twice each, runs [`CONSUMERS`] worker processes,
+/// kills one with SIGKILL [`KILLS`] times at random instants (starting a
+/// new one each time), waits for the queue to drain, and counts the
+/// business rows.
+fn kill_run(name: &str, business: &mut dyn Business) -> Result<()> {
+    let db = business.db();
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();
-    let queue = format!("idem-test-kill-{}-{nanos}", std::process::id());
+    let queue = format!("idem-test-kill-{name}-{}-{nanos}", std::process::id());
     let seed = (nanos as u64) | 1;
-    println!("seed {seed}");
+    println!("{name}: seed {seed}");
     let mut rng = Rng(seed);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -130,11 +219,9 @@ fn consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<(
     }
 
     let topology = Topology::named(&queue);
-    let business = rusqlite::Connection::open(&db)?;
-    let count = |sql: &str| -> Result<i64> { Ok(business.query_row(sql, [], |r| r.get(0))?) };
     let deadline = Instant::now() + DRAIN;
     loop {
-        let distinct = count("SELECT COUNT(DISTINCT idem_key) FROM orders")?;
+        let distinct = business.count("COUNT(DISTINCT idem_key)")?;
         let waiting = runtime.block_on(async {
             anyhow::Ok(
                 ready(&channel, &topology.queue).await?
@@ -150,7 +237,7 @@ fn consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<(
         std::thread::sleep(Duration::from_millis(100));
     }
     drop(workers);
-    let rows = count("SELECT COUNT(*) FROM orders")?;
+    let rows = business.count("COUNT(*)")?;
     ensure!(
         rows == MESSAGES as i64,
         "{rows} business rows for {MESSAGES} messages: a message took effect twice"
@@ -158,7 +245,7 @@ fn consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<(
     let dead = runtime.block_on(ready(&channel, &topology.dead_letter_queue))?;
     ensure!(dead == 0, "{dead} messages dead-lettered");
     println!(
-        "rabbitmq kills: {MESSAGES} messages published twice, {KILLS} consumers killed with SIGKILL, {rows} effects"
+        "rabbitmq kills on {name}: {MESSAGES} messages published twice, {KILLS} consumers killed with SIGKILL, {rows} effects"
     );
     runtime.block_on(async {
         for q in [

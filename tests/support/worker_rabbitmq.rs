@@ -1,14 +1,15 @@
 //! `idem-test-worker rabbit-consume <queue> <db> <lease_ms>`: a RabbitMQ
 //! consumer process for `tests/rabbitmq_kill.rs`. It consumes `queue`
-//! through idem on the SQLite file `db`, writing each message's business
-//! effect (an `orders` row) in the same transaction as its idempotency
-//! record (`run_in_transaction`), slowly enough that a SIGKILL lands
-//! mid-message. Prints "ready" once it consumes.
+//! through idem on `db`, the SQLite file or `postgres://…#<schema>` (the
+//! store's schema, whose `orders` table the test made), writing each
+//! message's business effect (an `orders` row) in the same transaction as
+//! its idempotency record (`run_in_transaction`), slowly enough that a
+//! SIGKILL lands mid-message. Prints "ready" once it consumes.
 
 use std::time::Duration;
 
-use anyhow::Result;
-use idem::{ActionResult, RunInTransaction, Success};
+use anyhow::{Context, Result};
+use idem::{ActionResult, Engine, RunInTransaction, Success, Ticket};
 use idem_consumer::{Consumer, ConsumerConfig};
 use idem_rabbitmq::lapin::{Connection, ConnectionProperties};
 use idem_rabbitmq::{Options, RabbitConsumer, Topology};
@@ -17,8 +18,46 @@ use idem_rabbitmq::{Options, RabbitConsumer, Topology};
 /// at a random instant lands before, between or after them.
 const STEP: Duration = Duration::from_millis(5);
 
+/// The business effect's outcome, as the idempotency record stores it.
+fn effect(
+    id: &str,
+    ticket: &Ticket,
+    budget: idem_consumer::RetryBudget,
+    written: Result<usize, impl std::fmt::Display>,
+) -> ActionResult {
+    budget.apply(
+        ticket,
+        match written {
+            Ok(_) => ActionResult::Succeeded(Success::with_ref(id)),
+            Err(e) => ActionResult::retryable("orders-write", e),
+        },
+    )
+}
+
 pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
-    let (engine, _store) = super::engine(db, None)?;
+    let pg = db
+        .split_once('#')
+        .filter(|(url, _)| url.starts_with("postgres://"));
+    let engine = match pg {
+        Some((url, schema)) => Engine::builder()
+            .storage(idem::PostgresStore::connect(
+                url,
+                idem::PostgresOptions {
+                    schema: schema.to_owned(),
+                    pool_size: 2,
+                    ..idem::PostgresOptions::default()
+                },
+            )?)
+            .build()?,
+        None => super::engine(db, None)?.0,
+    };
+    let insert = match pg {
+        Some((_, schema)) => {
+            format!("INSERT INTO \"{schema}\".orders (idem_key, worker) VALUES ($1, $2)")
+        }
+        None => "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)".to_owned(),
+    };
+    let on_postgres = pg.is_some();
     let mut config = ConsumerConfig::new("order.create");
     config.policy.lease_ms = lease_ms;
     let consumer = Consumer::new(engine, config);
@@ -30,7 +69,8 @@ pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
             "amqp://guest:guest@127.0.0.1:5672/%2f",
             ConnectionProperties::default(),
         )
-        .await?;
+        .await
+        .context("RabbitMQ")?;
         let channel = conn.create_channel().await?;
         let options = Options {
             prefetch: 1,
@@ -43,23 +83,26 @@ pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
         rabbit
             .run_blocking(
                 move |incoming, engine, request, budget| {
-                    engine.run_in_transaction(request, |ticket, conn| {
-                        std::thread::sleep(STEP);
-                        let written = conn.execute(
-                            "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)",
-                            [&incoming.id, &me],
-                        );
-                        std::thread::sleep(STEP);
-                        budget.apply(
-                            ticket,
-                            match written {
-                                Ok(_) => {
-                                    ActionResult::Succeeded(Success::with_ref(incoming.id.clone()))
-                                }
-                                Err(e) => ActionResult::retryable("orders-write", e),
+                    let id = incoming.id.as_str();
+                    if on_postgres {
+                        idem::postgres::RunInTransaction::run_in_transaction(
+                            engine,
+                            request,
+                            |ticket, client| {
+                                std::thread::sleep(STEP);
+                                let written = client.execute(&insert, &[&id, &me]);
+                                std::thread::sleep(STEP);
+                                effect(id, ticket, budget, written.map(|n| n as usize))
                             },
                         )
-                    })
+                    } else {
+                        engine.run_in_transaction(request, |ticket, conn| {
+                            std::thread::sleep(STEP);
+                            let written = conn.execute(&insert, [id, &me]);
+                            std::thread::sleep(STEP);
+                            effect(id, ticket, budget, written)
+                        })
+                    }
                 },
                 std::future::pending(),
             )
