@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 #[path = "../support/options.rs"]
@@ -68,19 +68,7 @@ pub fn pg_url() -> Option<String> {
     }
 }
 
-/// A name nobody else uses: a prefix, this process, a counter, the time.
-pub fn unique_name(prefix: &str) -> String {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!(
-        "{prefix}_{}_{}_{nanos}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
+pub use idem_engine::testing::unique_name;
 
 /// A PostgreSQL schema of one test's own (so that tests run in parallel on
 /// one database), dropped with its tables when the test ends.

@@ -724,3 +724,19 @@ macro_rules! storage_conformance {
         )*
     };
 }
+
+/// A name nobody else uses, for a test's own schema, queue or stream on a
+/// server that tests share: `prefix`, this process, a counter and the
+/// time, joined by `_` (valid in SQL identifiers and broker names).
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
+}

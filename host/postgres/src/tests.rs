@@ -5,10 +5,9 @@
 //! dropped when the test ends. Without the variable every test prints why it
 //! was skipped and passes.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use idem_engine::testing::{BIZ, T0, candidate, insert, insert_with, key};
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome};
@@ -101,19 +100,7 @@ pub(super) fn raw(url: &str) -> postgres::Client {
     postgres::Client::connect(url, postgres::NoTls).expect("connect to the test server")
 }
 
-/// A name nobody else uses: this process, a counter, the time.
-fn unique(prefix: &str) -> String {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!(
-        "{prefix}_{}_{}_{nanos}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
+use idem_engine::testing::unique_name as unique;
 
 /// A schema of the test's own, dropped with everything in it on drop.
 pub(super) struct TestSchema {

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use idem_consumer::{Consumer, ConsumerConfig, HandlerError};
@@ -28,17 +28,9 @@ const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// The longest a test waits for the consumers to drain its queue.
 const DRAIN: Duration = Duration::from_secs(120);
 
+/// A queue name of the test's own.
 fn unique(prefix: &str) -> String {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!(
-        "idem-test-{prefix}-{}-{}-{nanos}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    idem_engine::testing::unique_name(&format!("idem-test-{prefix}"))
 }
 
 async fn connect() -> Result<Connection> {
