@@ -6,8 +6,6 @@
 //! writes its business row in the same transaction as its idempotency
 //! record.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -18,58 +16,14 @@ use idem_rabbitmq::lapin::types::FieldTable;
 use idem_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
 use idem_rabbitmq::{Topology, publish};
 
+#[path = "support/killing.rs"]
+mod killing;
+use killing::{Rng, Worker};
+
 const MESSAGES: usize = 200;
-const KILLS: usize = 20;
-const CONSUMERS: usize = 2;
-/// Short, so that a message whose consumer died is taken over soon.
-const LEASE_MS: &str = "500";
+use killing::{CONSUMERS, KILLS, LEASE_MS};
 /// The longest the consumers may take to drain the queue after the kills.
 const DRAIN: Duration = Duration::from_secs(90);
-
-struct Worker {
-    child: Child,
-}
-
-impl Worker {
-    fn start(queue: &str, db: &str) -> Result<Self> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_idem-test-worker"))
-            .args(["rabbit-consume", queue, db, LEASE_MS])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let stdout = child.stdout.take().context("stdout")?;
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line)?;
-        ensure!(line.trim() == "ready", "the worker said {line:?}");
-        Ok(Self { child })
-    }
-
-    fn kill(&mut self) -> Result<()> {
-        self.child.kill()?;
-        self.child.wait()?;
-        Ok(())
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A small deterministic generator (xorshift), seeded from the clock and
-/// printed, so a failing run can be repeated.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
 
 async fn ready(channel: &Channel, queue: &str) -> Result<u32> {
     Ok(channel
@@ -209,14 +163,13 @@ fn kill_run(name: &str, business: &mut dyn Business) -> Result<()> {
     })?;
 
     let mut workers = (0..CONSUMERS)
-        .map(|_| Worker::start(&queue, &db))
+        .map(|_| Worker::start(&["rabbit-consume", &queue, &db, LEASE_MS]))
         .collect::<Result<Vec<_>>>()?;
-    for kill in 0..KILLS {
-        std::thread::sleep(Duration::from_millis(10 + rng.below(90)));
-        let w = kill % CONSUMERS;
-        workers[w].kill()?;
-        workers[w] = Worker::start(&queue, &db)?;
-    }
+    killing::kill_repeatedly(
+        &mut workers,
+        &["rabbit-consume", &queue, &db, LEASE_MS],
+        &mut rng,
+    )?;
 
     let topology = Topology::named(&queue);
     let deadline = Instant::now() + DRAIN;

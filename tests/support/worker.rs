@@ -27,13 +27,18 @@
 //!     "reaped N". Forking skips compiling the component for every run.
 //! idem-test-worker rabbit-consume <queue> <db> <lease_ms>
 //!     consume a RabbitMQ queue through idem (see worker_rabbitmq.rs)
+//! idem-test-worker nats-consume <stream> <durable> <dlq-subject> <db> <lease_ms>
+//!     consume a JetStream durable consumer through idem (see worker_nats.rs)
 //! ```
-//! The parent kills `hold`, `crash` and `rabbit-consume` workers with SIGKILL.
+//! The parent kills `hold`, `crash`, `rabbit-consume` and `nats-consume`
+//! workers with SIGKILL.
 
 use std::io::{BufRead, Write};
 
 #[path = "options.rs"]
 mod options;
+#[path = "worker_nats.rs"]
+mod worker_nats;
 #[path = "worker_rabbitmq.rs"]
 mod worker_rabbitmq;
 
@@ -173,13 +178,21 @@ fn main() -> Result<()> {
         }
         ["crash", db, now, seed] => crash(db, now.parse().context("now")?, seed.parse()?)?,
         ["crash-zygote"] => zygote()?,
+        ["nats-consume", stream, durable, dlq, db, lease_ms] => worker_nats::consume(
+            stream,
+            durable,
+            dlq,
+            db,
+            lease_ms.parse().context("lease_ms")?,
+        )?,
         ["rabbit-consume", queue, db, lease_ms] => {
             worker_rabbitmq::consume(queue, db, lease_ms.parse().context("lease_ms")?)?
         }
         _ => bail!(
             "usage: idem-test-worker race <db> <keys> | hold <db> <key> <now> <mode> \
              | hold-pg <url> <schema> <key> <now> \
-             | crash <db> <now> <seed> | crash-zygote | rabbit-consume <queue> <db> <lease_ms>"
+             | crash <db> <now> <seed> | crash-zygote | rabbit-consume <queue> <db> <lease_ms> \
+             | nats-consume <stream> <durable> <dlq-subject> <db> <lease_ms>"
         ),
     }
     Ok(())

@@ -16,10 +16,10 @@ use idem_rabbitmq::{Options, RabbitConsumer, Topology};
 
 /// How long the handler waits before and after its business write: a kill
 /// at a random instant lands before, between or after them.
-const STEP: Duration = Duration::from_millis(5);
+pub const STEP: Duration = Duration::from_millis(5);
 
 /// The business effect's outcome, as the idempotency record stores it.
-fn effect(
+pub fn effect(
     id: &str,
     ticket: &Ticket,
     budget: idem_consumer::RetryBudget,

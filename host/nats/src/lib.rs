@@ -71,6 +71,10 @@
 
 #![warn(missing_docs)]
 
+/// The client this adapter is built on, for building a context and a
+/// consumer with the same version.
+pub use async_nats;
+
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;

@@ -1,0 +1,157 @@
+//! Consumers killed with SIGKILL mid-message, on the real NATS JetStream
+//! (127.0.0.1:4222): JetStream redelivers what a dead consumer held once
+//! its `ack_wait` ends, the next consumer replays or takes the message
+//! over once its lease ends, and every message takes effect exactly once.
+//! The consumers are `idem-test-worker nats-consume` processes on one
+//! SQLite file, each writing its business row in the same transaction as
+//! its idempotency record.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail, ensure};
+use idem_nats::async_nats;
+use idem_nats::async_nats::jetstream::consumer::{AckPolicy, pull};
+use idem_nats::async_nats::jetstream::message::PublishMessage;
+use idem_nats::async_nats::jetstream::stream::{self, StorageType};
+
+#[path = "support/killing.rs"]
+mod killing;
+use killing::{CONSUMERS, LEASE_MS, Rng, Worker};
+
+const MESSAGES: usize = 200;
+/// JetStream hands a dead consumer's message to another after this.
+const ACK_WAIT: Duration = Duration::from_secs(1);
+/// The longest the consumers may take to drain the stream after the kills.
+const DRAIN: Duration = Duration::from_secs(90);
+/// The header the workers read each message's id from (no `Nats-Msg-Id`:
+/// the stream delivers both copies of every message).
+const KEY_HEADER: &str = "Idem-Key";
+
+#[test]
+fn jetstream_consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = dir.path().join("idem.db");
+    let db = db.to_str().context("utf-8 path")?.to_owned();
+    rusqlite::Connection::open(&db)?.execute(
+        "CREATE TABLE IF NOT EXISTS orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)",
+        [],
+    )?;
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();
+    let name = format!("IDEM_KILL_{}_{nanos}", std::process::id());
+    let (subject, dlq_stream, dlq_subject) = (
+        format!("idem_kill.{name}"),
+        format!("{name}_DLQ"),
+        format!("idem_kill_dlq.{name}"),
+    );
+    let seed = (nanos as u64) | 1;
+    println!("seed {seed}");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let js = runtime.block_on(async {
+        let client = async_nats::connect("127.0.0.1:4222")
+            .await
+            .context("NATS with JetStream on 127.0.0.1:4222 must answer: `.ci/run` checks it")?;
+        let js = async_nats::jetstream::new(client);
+        for (stream, subject) in [(&name, &subject), (&dlq_stream, &dlq_subject)] {
+            js.create_stream(stream::Config {
+                name: stream.clone(),
+                subjects: vec![subject.clone()],
+                storage: StorageType::Memory,
+                ..Default::default()
+            })
+            .await?;
+        }
+        js.get_stream(&name)
+            .await?
+            .create_consumer(pull::Config {
+                durable_name: Some("workers".to_owned()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: ACK_WAIT,
+                max_deliver: -1,
+                ..Default::default()
+            })
+            .await?;
+        // Each message twice: a producer retry the stream does not drop.
+        for i in 0..MESSAGES {
+            for _ in 0..2 {
+                js.send_publish(
+                    subject.clone(),
+                    PublishMessage::build()
+                        .payload("{}".into())
+                        .header(KEY_HEADER, format!("m-{i}").as_str()),
+                )
+                .await?
+                .await?;
+            }
+        }
+        anyhow::Ok(js)
+    })?;
+
+    let args = [
+        "nats-consume",
+        &name,
+        "workers",
+        &dlq_subject,
+        &db,
+        LEASE_MS,
+    ];
+    let mut workers = (0..CONSUMERS)
+        .map(|_| Worker::start(&args))
+        .collect::<Result<Vec<_>>>()?;
+    killing::kill_repeatedly(&mut workers, &args, &mut Rng(seed))?;
+
+    let business = rusqlite::Connection::open(&db)?;
+    let count = |what: &str| -> Result<i64> {
+        Ok(business.query_row(&format!("SELECT {what} FROM orders"), [], |r| r.get(0))?)
+    };
+    let deadline = Instant::now() + DRAIN;
+    loop {
+        let distinct = count("COUNT(DISTINCT idem_key)")?;
+        let (pending, unacked) = runtime.block_on(async {
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+                .get_stream(&name)
+                .await?
+                .get_consumer("workers")
+                .await
+                .map_err(|e| anyhow::anyhow!("the consumer: {e}"))?;
+            let info = consumer.info().await?;
+            anyhow::Ok((info.num_pending, info.num_ack_pending))
+        })?;
+        if distinct == MESSAGES as i64 && pending == 0 && unacked == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "after {DRAIN:?}: {distinct} messages took effect, {pending} pending, {unacked} unacked"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(workers);
+    let rows = count("COUNT(*)")?;
+    ensure!(
+        rows == MESSAGES as i64,
+        "{rows} business rows for {MESSAGES} messages: a message took effect twice"
+    );
+    let dead = runtime.block_on(async {
+        anyhow::Ok(
+            js.get_stream(&dlq_stream)
+                .await?
+                .info()
+                .await?
+                .state
+                .messages,
+        )
+    })?;
+    ensure!(dead == 0, "{dead} messages dead-lettered");
+    println!(
+        "nats kills: {MESSAGES} messages published twice, {} consumers killed with SIGKILL, {rows} effects",
+        killing::KILLS
+    );
+    runtime.block_on(async {
+        js.delete_stream(&name).await?;
+        js.delete_stream(&dlq_stream).await?;
+        anyhow::Ok(())
+    })
+}

@@ -1,0 +1,62 @@
+//! `idem-test-worker nats-consume <stream> <durable> <dlq-subject> <db>
+//! <lease_ms>`: a NATS JetStream consumer process for
+//! `tests/nats_kill.rs`. It consumes the durable pull consumer through idem
+//! on the SQLite file `db` (message ids from the `Idem-Key` header),
+//! writing each message's business effect (an `orders` row) in the same
+//! transaction as its idempotency record, slowly enough that a SIGKILL
+//! lands mid-message. Prints "ready" once it consumes.
+
+use anyhow::{Context, Result};
+use idem::RunInTransaction;
+use idem_consumer::{Consumer, ConsumerConfig};
+use idem_nats::async_nats;
+use idem_nats::{AdapterConfig, JetStreamAdapter, MessageId};
+
+/// The header the test puts each message's id in.
+pub const KEY_HEADER: &str = "Idem-Key";
+
+pub fn consume(stream: &str, durable: &str, dlq: &str, db: &str, lease_ms: u64) -> Result<()> {
+    let engine = super::engine(db, None)?.0;
+    let mut config = ConsumerConfig::new("order.create");
+    config.policy.lease_ms = lease_ms;
+    let consumer = Consumer::new(engine, config);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let client = async_nats::connect("127.0.0.1:4222")
+            .await
+            .context("NATS")?;
+        let js = async_nats::jetstream::new(client);
+        let pull: async_nats::jetstream::consumer::PullConsumer = js
+            .get_stream(stream)
+            .await?
+            .get_consumer(durable)
+            .await
+            .map_err(|e| anyhow::anyhow!("the consumer {durable}: {e}"))?;
+        let mut adapter_config = AdapterConfig::new(stream, dlq);
+        adapter_config.message_id = MessageId::header(KEY_HEADER)?;
+        adapter_config.max_in_flight = 1;
+        let adapter = JetStreamAdapter::new(js, pull, consumer, adapter_config);
+        let me = std::process::id().to_string();
+        println!("ready");
+        adapter
+            .run_blocking(
+                move |incoming, engine, request, budget| {
+                    let id = incoming.id.as_str();
+                    engine.run_in_transaction(request, |ticket, conn| {
+                        std::thread::sleep(super::worker_rabbitmq::STEP);
+                        let written = conn.execute(
+                            "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)",
+                            [id, &me],
+                        );
+                        std::thread::sleep(super::worker_rabbitmq::STEP);
+                        super::worker_rabbitmq::effect(id, ticket, budget, written)
+                    })
+                },
+                std::future::pending(),
+            )
+            .await?;
+        Ok(())
+    })
+}
