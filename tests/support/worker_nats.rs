@@ -8,7 +8,6 @@
 
 use anyhow::{Context, Result};
 use idem::RunInTransaction;
-use idem_consumer::{Consumer, ConsumerConfig};
 use idem_nats::async_nats;
 use idem_nats::{AdapterConfig, JetStreamAdapter, MessageId};
 
@@ -17,12 +16,7 @@ pub const KEY_HEADER: &str = "Idem-Key";
 
 pub fn consume(stream: &str, durable: &str, dlq: &str, db: &str, lease_ms: u64) -> Result<()> {
     let engine = super::engine(db, None)?.0;
-    let mut config = ConsumerConfig::new("order.create");
-    config.policy.lease_ms = lease_ms;
-    let consumer = Consumer::new(engine, config);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let (consumer, runtime) = super::worker_rabbitmq::consumer(engine, lease_ms)?;
     runtime.block_on(async {
         let client = async_nats::connect("127.0.0.1:4222")
             .await

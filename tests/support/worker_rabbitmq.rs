@@ -34,6 +34,17 @@ pub fn effect(
     )
 }
 
+/// The consumer of a worker process (biz type `order.create`, lease
+/// `lease_ms`) and the runtime it runs on.
+pub fn consumer(engine: Engine, lease_ms: u64) -> Result<(Consumer, tokio::runtime::Runtime)> {
+    let mut config = ConsumerConfig::new("order.create");
+    config.policy.lease_ms = lease_ms;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    Ok((Consumer::new(engine, config), runtime))
+}
+
 pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
     let pg = db
         .split_once('#')
@@ -58,12 +69,7 @@ pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
         None => "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)".to_owned(),
     };
     let on_postgres = pg.is_some();
-    let mut config = ConsumerConfig::new("order.create");
-    config.policy.lease_ms = lease_ms;
-    let consumer = Consumer::new(engine, config);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let (consumer, runtime) = consumer(engine, lease_ms)?;
     runtime.block_on(async {
         let conn = Connection::connect(
             "amqp://guest:guest@127.0.0.1:5672/%2f",
