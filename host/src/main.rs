@@ -187,7 +187,14 @@ fn main() -> Result<()> {
                 }
                 total += u64::from(deleted);
             }
-            let released = operator::expire_stuck(&engine, &db.shared(), &config, batch)?;
+            let now = idem::clock::Clock::now(&idem::SystemClock::new());
+            let released = idem::operator::expire_stuck_keys(
+                &engine,
+                db.shared().as_ref(),
+                &config,
+                now,
+                batch,
+            )?;
             if cli.json {
                 println!(
                     "{}",

@@ -13,9 +13,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use idem::clock::Clock;
 use idem::operator::{self, Client, SettleRequest};
-use idem::proxy::ProxyConfig;
 use idem::{Engine, RecordKey, Storage, SystemClock};
-use std::sync::Arc;
 
 /// Who the key belongs to: exactly one of these.
 #[derive(Debug, Args)]
@@ -225,32 +223,4 @@ pub fn stuck(
         println!("more may follow: --after {}", last.cursor);
     }
     Ok(())
-}
-
-/// Releases the stuck keys of every biz type in `config` that waited past
-/// its `stuck_retention_ms` (at most `batch` examined per biz type); returns
-/// them. Each is also logged (`operator::expire_stuck`).
-pub fn expire_stuck(
-    engine: &Engine,
-    store: &Arc<dyn Storage>,
-    config: &ProxyConfig,
-    batch: u32,
-) -> Result<Vec<idem::operator::StuckKey>> {
-    let now = SystemClock::new().now();
-    let mut released = Vec::new();
-    for biz in config.biz_types() {
-        if let Some(retention) = config.stuck_retention_for(&biz) {
-            let policy = config.policy_for(&biz);
-            released.extend(operator::expire_stuck(
-                engine,
-                store.as_ref(),
-                &policy,
-                &biz,
-                retention,
-                now,
-                batch,
-            )?);
-        }
-    }
-    Ok(released)
 }

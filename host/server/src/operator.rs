@@ -18,7 +18,7 @@ use idem_engine::store::{StaleCursor, Storage};
 use idem_engine::types::{
     Failure, RecordKey, Status, StoredRecord, StoredResponse, Success, Timestamp,
 };
-use idem_layer::config::AnonymousMode;
+use idem_layer::config::{AnonymousMode, ProxyConfig};
 
 /// The header name under which a scope header's value is offered to the
 /// scope rules; any name gives the same `hdr:<value>` scope.
@@ -385,6 +385,32 @@ pub fn expire_stuck(
         }
     }
     Ok(expired)
+}
+
+/// [`expire_stuck`] for every biz type of `config` that has a
+/// `stuck_retention_ms`, at most `batch` keys examined per biz type: the
+/// sweep of `idem serve` and `idem sweep`. Returns the keys released.
+///
+/// # Errors
+///
+/// As [`expire_stuck`].
+pub fn expire_stuck_keys(
+    engine: &Engine,
+    store: &dyn Storage,
+    config: &ProxyConfig,
+    now: Timestamp,
+    batch: u32,
+) -> Result<Vec<StuckKey>, Error> {
+    let mut released = Vec::new();
+    for biz_type in config.biz_types() {
+        if let Some(retention) = config.stuck_retention_for(&biz_type) {
+            let policy = config.policy_for(&biz_type);
+            released.extend(expire_stuck(
+                engine, store, &policy, &biz_type, retention, now, batch,
+            )?);
+        }
+    }
+    Ok(released)
 }
 
 fn settlement_name(s: Settlement) -> &'static str {

@@ -328,24 +328,14 @@ impl Proxy {
         let store = self.inner.store.clone();
         let released = tokio::task::spawn_blocking(move || -> Result<u64, Error> {
             let now = idem_engine::clock::Clock::now(&idem_engine::SystemClock::new());
-            let mut released = 0;
-            for biz_type in config.biz_types() {
-                let Some(retention) = config.stuck_retention_for(&biz_type) else {
-                    continue;
-                };
-                let policy = config.policy_for(&biz_type);
-                let expired = crate::operator::expire_stuck(
-                    &engine,
-                    store.as_ref(),
-                    &policy,
-                    &biz_type,
-                    retention,
-                    now,
-                    config.sweep_batch,
-                )?;
-                released += expired.len() as u64;
-            }
-            Ok(released)
+            let expired = crate::operator::expire_stuck_keys(
+                &engine,
+                store.as_ref(),
+                &config,
+                now,
+                config.sweep_batch,
+            )?;
+            Ok(expired.len() as u64)
         })
         .await
         .map_err(|e| Error::Trap(format!("the stuck-key expiry did not finish: {e}")))??;
