@@ -2,9 +2,9 @@
 //! (127.0.0.1:4222): JetStream redelivers what a dead consumer held once
 //! its `ack_wait` ends, the next consumer replays or takes the message
 //! over once its lease ends, and every message takes effect exactly once.
-//! The consumers are `idem-test-worker nats-consume` processes on one
-//! SQLite file, each writing its business row in the same transaction as
-//! its idempotency record.
+//! The consumers are two `idem-test-worker nats-consume` processes on one
+//! SQLite file, or on one PostgreSQL database, each writing its business
+//! row in the same transaction as its idempotency record.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -16,7 +16,7 @@ use idem_nats::async_nats::jetstream::stream::{self, StorageType};
 
 #[path = "support/killing.rs"]
 mod killing;
-use killing::{CONSUMERS, LEASE_MS, Rng, Worker};
+use killing::{Business, CONSUMERS, LEASE_MS, Postgres, Rng, Sqlite, Worker};
 
 const MESSAGES: usize = 200;
 /// JetStream hands a dead consumer's message to another after this.
@@ -29,22 +29,33 @@ const KEY_HEADER: &str = "Idem-Key";
 
 #[test]
 fn jetstream_consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let db = dir.path().join("idem.db");
-    let db = db.to_str().context("utf-8 path")?.to_owned();
-    rusqlite::Connection::open(&db)?.execute(
-        "CREATE TABLE IF NOT EXISTS orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)",
-        [],
-    )?;
+    kill_run("sqlite", &mut Sqlite::new()?)
+}
+
+/// Two consumer processes on one PostgreSQL database.
+#[test]
+fn jetstream_consumer_processes_on_postgres_killed_mid_message_run_nothing_twice() -> Result<()> {
+    match Postgres::new()? {
+        Some(mut business) => kill_run("postgres", &mut business),
+        None => Ok(()),
+    }
+}
+
+/// Publishes [`MESSAGES`] twice each to a new stream, runs [`CONSUMERS`]
+/// worker processes on one durable consumer, kills one with SIGKILL
+/// [`killing::KILLS`] times at random instants (starting a new one each
+/// time), waits for the stream to drain, and counts the business rows.
+fn kill_run(store: &str, business: &mut dyn Business) -> Result<()> {
+    let db = business.db();
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();
-    let name = format!("IDEM_KILL_{}_{nanos}", std::process::id());
+    let name = format!("IDEM_KILL_{store}_{}_{nanos}", std::process::id());
     let (subject, dlq_stream, dlq_subject) = (
         format!("idem_kill.{name}"),
         format!("{name}_DLQ"),
         format!("idem_kill_dlq.{name}"),
     );
     let seed = (nanos as u64) | 1;
-    println!("seed {seed}");
+    println!("{store}: seed {seed}");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -101,13 +112,9 @@ fn jetstream_consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -
         .collect::<Result<Vec<_>>>()?;
     killing::kill_repeatedly(&mut workers, &args, &mut Rng(seed))?;
 
-    let business = rusqlite::Connection::open(&db)?;
-    let count = |what: &str| -> Result<i64> {
-        Ok(business.query_row(&format!("SELECT {what} FROM orders"), [], |r| r.get(0))?)
-    };
     let deadline = Instant::now() + DRAIN;
     loop {
-        let distinct = count("COUNT(DISTINCT idem_key)")?;
+        let distinct = business.count("COUNT(DISTINCT idem_key)")?;
         let (pending, unacked) = runtime.block_on(async {
             let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
                 .get_stream(&name)
@@ -129,7 +136,7 @@ fn jetstream_consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -
         std::thread::sleep(Duration::from_millis(100));
     }
     drop(workers);
-    let rows = count("COUNT(*)")?;
+    let rows = business.count("COUNT(*)")?;
     ensure!(
         rows == MESSAGES as i64,
         "{rows} business rows for {MESSAGES} messages: a message took effect twice"
@@ -146,7 +153,7 @@ fn jetstream_consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -
     })?;
     ensure!(dead == 0, "{dead} messages dead-lettered");
     println!(
-        "nats kills: {MESSAGES} messages published twice, {} consumers killed with SIGKILL, {rows} effects",
+        "nats kills on {store}: {MESSAGES} messages published twice, {} consumers killed with SIGKILL, {rows} effects",
         killing::KILLS
     );
     runtime.block_on(async {

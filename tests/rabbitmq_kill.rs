@@ -18,7 +18,7 @@ use idem_rabbitmq::{Topology, publish};
 
 #[path = "support/killing.rs"]
 mod killing;
-use killing::{Rng, Worker};
+use killing::{Business, Postgres, Rng, Sqlite, Worker};
 
 const MESSAGES: usize = 200;
 use killing::{CONSUMERS, KILLS, LEASE_MS};
@@ -39,92 +39,18 @@ async fn ready(channel: &Channel, queue: &str) -> Result<u32> {
         .message_count())
 }
 
-/// Where the consumers keep their records and business rows, and how the
-/// test counts those rows.
-trait Business {
-    /// The worker's `db` argument.
-    fn db(&self) -> String;
-    /// The value of a `SELECT COUNT(...) FROM orders`-style query.
-    fn count(&mut self, what: &str) -> Result<i64>;
-}
-
-struct Sqlite {
-    path: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Business for Sqlite {
-    fn db(&self) -> String {
-        self.path.clone()
-    }
-
-    fn count(&mut self, what: &str) -> Result<i64> {
-        let conn = rusqlite::Connection::open(&self.path)?;
-        Ok(conn.query_row(&format!("SELECT {what} FROM orders"), [], |r| r.get(0))?)
-    }
-}
-
-struct Postgres {
-    url: String,
-    schema: String,
-    client: postgres::Client,
-}
-
-impl Business for Postgres {
-    fn db(&self) -> String {
-        format!("{}#{}", self.url, self.schema)
-    }
-
-    fn count(&mut self, what: &str) -> Result<i64> {
-        let sql = format!("SELECT {what} FROM \"{}\".orders", self.schema);
-        Ok(self.client.query_one(&sql, &[])?.get(0))
-    }
-}
-
-impl Drop for Postgres {
-    fn drop(&mut self) {
-        let _ = self.client.batch_execute(&format!(
-            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
-            self.schema
-        ));
-    }
-}
-
 #[test]
 fn consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("idem.db");
-    let path = path.to_str().context("utf-8 path")?.to_owned();
-    // The table exists before the workers start (each also creates it).
-    rusqlite::Connection::open(&path)?.execute(
-        "CREATE TABLE IF NOT EXISTS orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)",
-        [],
-    )?;
-    kill_run("sqlite", &mut Sqlite { path, _dir: dir })
+    kill_run("sqlite", &mut Sqlite::new()?)
 }
 
 /// Two consumer processes on one PostgreSQL database.
 #[test]
 fn consumer_processes_on_postgres_killed_mid_message_run_nothing_twice() -> Result<()> {
-    let Ok(url) = std::env::var("IDEM_TEST_PG_URL") else {
-        eprintln!("skipped: IDEM_TEST_PG_URL is not set (CI sets it)");
-        return Ok(());
-    };
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.subsec_nanos();
-    let schema = format!("idem_kill_{}_{nanos}", std::process::id());
-    let mut client = postgres::Client::connect(&url, postgres::NoTls)?;
-    client.batch_execute(&format!(
-        "CREATE SCHEMA \"{schema}\"; \
-         CREATE TABLE \"{schema}\".orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)"
-    ))?;
-    kill_run(
-        "postgres",
-        &mut Postgres {
-            url,
-            schema,
-            client,
-        },
-    )
+    match Postgres::new()? {
+        Some(mut business) => kill_run("postgres", &mut business),
+        None => Ok(()),
+    }
 }
 
 /// Publishes [`MESSAGES`] twice each, runs [`CONSUMERS`] worker processes,

@@ -1,12 +1,102 @@
 //! What the consumer kill tests (`tests/rabbitmq_kill.rs`,
-//! `tests/nats_kill.rs`) share: worker processes to kill, and a seeded
-//! generator for the kill instants.
+//! `tests/nats_kill.rs`) share: the stores the workers write to, worker
+//! processes to kill, and a seeded generator for the kill instants.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
 use anyhow::{Context, Result, ensure};
+
+/// Where the consumers keep their records and business rows, and how the
+/// test counts those rows.
+pub trait Business {
+    /// The worker's `db` argument.
+    fn db(&self) -> String;
+    /// The value of a `SELECT COUNT(...) FROM orders`-style query.
+    fn count(&mut self, what: &str) -> Result<i64>;
+}
+
+/// A SQLite file in a temporary directory, its `orders` table made.
+pub struct Sqlite {
+    path: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Sqlite {
+    /// A new file with an empty `orders` table (each worker also makes it).
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("idem.db");
+        let path = path.to_str().context("utf-8 path")?.to_owned();
+        rusqlite::Connection::open(&path)?.execute(
+            "CREATE TABLE IF NOT EXISTS orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)",
+            [],
+        )?;
+        Ok(Self { path, _dir: dir })
+    }
+}
+
+impl Business for Sqlite {
+    fn db(&self) -> String {
+        self.path.clone()
+    }
+
+    fn count(&mut self, what: &str) -> Result<i64> {
+        let conn = rusqlite::Connection::open(&self.path)?;
+        Ok(conn.query_row(&format!("SELECT {what} FROM orders"), [], |r| r.get(0))?)
+    }
+}
+
+/// A schema of its own on the PostgreSQL at `IDEM_TEST_PG_URL`, with an
+/// `orders` table, dropped at the end.
+pub struct Postgres {
+    url: String,
+    schema: String,
+    client: postgres::Client,
+}
+
+impl Postgres {
+    /// A new schema, or `None` (skipped, with a line saying so) when
+    /// `IDEM_TEST_PG_URL` is not set; CI always sets it.
+    pub fn new() -> Result<Option<Self>> {
+        let Ok(url) = std::env::var("IDEM_TEST_PG_URL") else {
+            eprintln!("skipped: IDEM_TEST_PG_URL is not set (CI sets it)");
+            return Ok(None);
+        };
+        let schema = idem_engine::testing::unique_name("idem_kill");
+        let mut client = postgres::Client::connect(&url, postgres::NoTls)?;
+        client.batch_execute(&format!(
+            "CREATE SCHEMA \"{schema}\"; \
+             CREATE TABLE \"{schema}\".orders (idem_key TEXT NOT NULL, worker TEXT NOT NULL)"
+        ))?;
+        Ok(Some(Self {
+            url,
+            schema,
+            client,
+        }))
+    }
+}
+
+impl Business for Postgres {
+    fn db(&self) -> String {
+        format!("{}#{}", self.url, self.schema)
+    }
+
+    fn count(&mut self, what: &str) -> Result<i64> {
+        let sql = format!("SELECT {what} FROM \"{}\".orders", self.schema);
+        Ok(self.client.query_one(&sql, &[])?.get(0))
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        let _ = self.client.batch_execute(&format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            self.schema
+        ));
+    }
+}
 
 /// Kills per test run.
 pub const KILLS: usize = 20;

@@ -1,13 +1,14 @@
 //! `idem-test-worker nats-consume <stream> <durable> <dlq-subject> <db>
 //! <lease_ms>`: a NATS JetStream consumer process for
 //! `tests/nats_kill.rs`. It consumes the durable pull consumer through idem
-//! on the SQLite file `db` (message ids from the `Idem-Key` header),
+//! on `db`, a SQLite file or `postgres://…#<schema>` (a
+//! [`Business`](super::worker_rabbitmq::Business); message ids from the
+//! `Idem-Key` header),
 //! writing each message's business effect (an `orders` row) in the same
 //! transaction as its idempotency record, slowly enough that a SIGKILL
 //! lands mid-message. Prints "ready" once it consumes.
 
 use anyhow::{Context, Result};
-use idem::RunInTransaction;
 use idem_nats::async_nats;
 use idem_nats::{AdapterConfig, JetStreamAdapter, MessageId};
 
@@ -15,7 +16,7 @@ use idem_nats::{AdapterConfig, JetStreamAdapter, MessageId};
 pub const KEY_HEADER: &str = "Idem-Key";
 
 pub fn consume(stream: &str, durable: &str, dlq: &str, db: &str, lease_ms: u64) -> Result<()> {
-    let engine = super::engine(db, None)?.0;
+    let (engine, business) = super::worker_rabbitmq::Business::open(db)?;
     let (consumer, runtime) = super::worker_rabbitmq::consumer(engine, lease_ms)?;
     runtime.block_on(async {
         let client = async_nats::connect("127.0.0.1:4222")
@@ -32,21 +33,11 @@ pub fn consume(stream: &str, durable: &str, dlq: &str, db: &str, lease_ms: u64) 
         adapter_config.message_id = MessageId::header(KEY_HEADER)?;
         adapter_config.max_in_flight = 1;
         let adapter = JetStreamAdapter::new(js, pull, consumer, adapter_config);
-        let me = std::process::id().to_string();
         println!("ready");
         adapter
             .run_blocking(
                 move |incoming, engine, request, budget| {
-                    let id = incoming.id.as_str();
-                    engine.run_in_transaction(request, |ticket, conn| {
-                        std::thread::sleep(super::worker_rabbitmq::STEP);
-                        let written = conn.execute(
-                            "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)",
-                            [id, &me],
-                        );
-                        std::thread::sleep(super::worker_rabbitmq::STEP);
-                        super::worker_rabbitmq::effect(id, ticket, budget, written)
-                    })
+                    business.handle(incoming.id.as_str(), engine, request, budget)
                 },
                 std::future::pending(),
             )

@@ -1,7 +1,6 @@
 //! `idem-test-worker rabbit-consume <queue> <db> <lease_ms>`: a RabbitMQ
 //! consumer process for `tests/rabbitmq_kill.rs`. It consumes `queue`
-//! through idem on `db`, the SQLite file or `postgres://…#<schema>` (the
-//! store's schema, whose `orders` table the test made), writing each
+//! through idem on `db` (a [`Business`]), writing each
 //! message's business effect (an `orders` row) in the same transaction as
 //! its idempotency record (`run_in_transaction`), slowly enough that a
 //! SIGKILL lands mid-message. Prints "ready" once it consumes.
@@ -45,30 +44,83 @@ pub fn consumer(engine: Engine, lease_ms: u64) -> Result<(Consumer, tokio::runti
     Ok((Consumer::new(engine, config), runtime))
 }
 
-pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
-    let pg = db
-        .split_once('#')
-        .filter(|(url, _)| url.starts_with("postgres://"));
-    let engine = match pg {
-        Some((url, schema)) => Engine::builder()
-            .storage(idem::PostgresStore::connect(
-                url,
-                idem::PostgresOptions {
-                    schema: schema.to_owned(),
-                    pool_size: 2,
-                    ..idem::PostgresOptions::default()
+/// Where a worker keeps its records and writes its business rows: the
+/// SQLite file `db`, or `postgres://…#<schema>` (the store's schema, whose
+/// `orders` table the test made).
+#[derive(Clone)]
+pub struct Business {
+    insert: String,
+    on_postgres: bool,
+    me: String,
+}
+
+impl Business {
+    /// Opens the engine on `db` and the business table's writer.
+    pub fn open(db: &str) -> Result<(Engine, Self)> {
+        let pg = db
+            .split_once('#')
+            .filter(|(url, _)| url.starts_with("postgres://"));
+        let engine = match pg {
+            Some((url, schema)) => Engine::builder()
+                .storage(idem::PostgresStore::connect(
+                    url,
+                    idem::PostgresOptions {
+                        schema: schema.to_owned(),
+                        pool_size: 2,
+                        ..idem::PostgresOptions::default()
+                    },
+                )?)
+                .build()?,
+            None => super::engine(db, None)?.0,
+        };
+        let insert = match pg {
+            Some((_, schema)) => {
+                format!("INSERT INTO \"{schema}\".orders (idem_key, worker) VALUES ($1, $2)")
+            }
+            None => "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)".to_owned(),
+        };
+        let business = Self {
+            insert,
+            on_postgres: pg.is_some(),
+            me: std::process::id().to_string(),
+        };
+        Ok((engine, business))
+    }
+
+    /// Handles message `id`: its `orders` row written in the same
+    /// transaction as its idempotency record, [`STEP`] before and after.
+    pub fn handle(
+        &self,
+        id: &str,
+        engine: &Engine,
+        request: &idem::BeginRequest,
+        budget: idem_consumer::RetryBudget,
+    ) -> Result<idem::RunOutcome, idem::Error> {
+        let (insert, me) = (&self.insert, &self.me);
+        if self.on_postgres {
+            idem::postgres::RunInTransaction::run_in_transaction(
+                engine,
+                request,
+                |ticket, client| {
+                    std::thread::sleep(STEP);
+                    let written = client.execute(insert, &[&id, me]);
+                    std::thread::sleep(STEP);
+                    effect(id, ticket, budget, written.map(|n| n as usize))
                 },
-            )?)
-            .build()?,
-        None => super::engine(db, None)?.0,
-    };
-    let insert = match pg {
-        Some((_, schema)) => {
-            format!("INSERT INTO \"{schema}\".orders (idem_key, worker) VALUES ($1, $2)")
+            )
+        } else {
+            engine.run_in_transaction(request, |ticket, conn| {
+                std::thread::sleep(STEP);
+                let written = conn.execute(insert, [id, me]);
+                std::thread::sleep(STEP);
+                effect(id, ticket, budget, written)
+            })
         }
-        None => "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)".to_owned(),
-    };
-    let on_postgres = pg.is_some();
+    }
+}
+
+pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
+    let (engine, business) = Business::open(db)?;
     let (consumer, runtime) = consumer(engine, lease_ms)?;
     runtime.block_on(async {
         let conn = Connection::connect(
@@ -84,31 +136,11 @@ pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
         };
         let rabbit =
             RabbitConsumer::new(channel, Topology::named(queue), consumer, options).await?;
-        let me = std::process::id().to_string();
         println!("ready");
         rabbit
             .run_blocking(
                 move |incoming, engine, request, budget| {
-                    let id = incoming.id.as_str();
-                    if on_postgres {
-                        idem::postgres::RunInTransaction::run_in_transaction(
-                            engine,
-                            request,
-                            |ticket, client| {
-                                std::thread::sleep(STEP);
-                                let written = client.execute(&insert, &[&id, &me]);
-                                std::thread::sleep(STEP);
-                                effect(id, ticket, budget, written.map(|n| n as usize))
-                            },
-                        )
-                    } else {
-                        engine.run_in_transaction(request, |ticket, conn| {
-                            std::thread::sleep(STEP);
-                            let written = conn.execute(&insert, [id, &me]);
-                            std::thread::sleep(STEP);
-                            effect(id, ticket, budget, written)
-                        })
-                    }
+                    business.handle(incoming.id.as_str(), engine, request, budget)
                 },
                 std::future::pending(),
             )

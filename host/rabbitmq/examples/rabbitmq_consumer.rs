@@ -8,7 +8,7 @@
 //! transaction as its idempotency record (`run_in_transaction`), so a
 //! consumer that dies mid-message leaves no reservation behind.
 //!
-//! Run with `cargo run -p idem-rabbitmq --example consumer`.
+//! Run with `cargo run -p idem-rabbitmq --example rabbitmq_consumer`.
 
 use std::time::Duration;
 

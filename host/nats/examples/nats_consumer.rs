@@ -7,7 +7,7 @@
 //! `NATS_URL` overrides the address):
 //!
 //! ```text
-//! cargo run -p idem-nats --example consumer
+//! cargo run -p idem-nats --example nats_consumer
 //! ```
 
 use std::sync::Arc;
