@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::{Context, Result, anyhow, bail};
 use axum::Router;
 use axum::routing::post;
+use idem_engine::testing::cpu_time_us;
 use serde_json::json;
 
 use crate::common::{Report, Settings, median};
@@ -73,31 +74,6 @@ pub struct Load {
     pub cpu_us_per_request: f64,
 }
 
-/// The CPU time (user + system) process `pid` has used so far, in
-/// microseconds, from `/proc/PID/stat` (fields 14 and 15, in clock ticks).
-fn cpu_time_us(pid: u32, ticks_per_s: f64) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .with_context(|| format!("reading /proc/{pid}/stat"))?;
-    // The command name (field 2) is in parentheses and may hold spaces.
-    let (_, rest) = stat
-        .rsplit_once(')')
-        .ok_or_else(|| anyhow!("/proc/{pid}/stat has no command name"))?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // `rest` starts at field 3 (the state): utime is field 14, stime 15.
-    let (Some(utime), Some(stime)) = (fields.get(11), fields.get(12)) else {
-        bail!("/proc/{pid}/stat is too short");
-    };
-    let ticks = utime.parse::<f64>()? + stime.parse::<f64>()?;
-    Ok(ticks / ticks_per_s * 1e6)
-}
-
-/// The kernel's clock ticks per second (`getconf CLK_TCK`), the unit of
-/// `/proc/PID/stat`'s CPU times.
-fn clock_ticks_per_s() -> Result<f64> {
-    let out = Command::new("getconf").arg("CLK_TCK").output()?;
-    Ok(String::from_utf8_lossy(&out.stdout).trim().parse::<f64>()?)
-}
-
 /// The server a load run measures: where to send, and the process whose
 /// CPU time is counted.
 #[derive(Clone, Copy)]
@@ -117,9 +93,9 @@ pub fn wrk(
     mode: &str,
     run: &str,
 ) -> Result<Load> {
-    let ticks_per_s = clock_ticks_per_s()?;
     let addr = target.addr;
-    let cpu_before = cpu_time_us(target.pid, ticks_per_s)?;
+    let pid = target.pid.to_string();
+    let cpu_before = cpu_time_us(&pid)?;
     let out = Command::new("wrk")
         .args([
             "-t",
@@ -135,7 +111,7 @@ pub fn wrk(
         .args(["--", mode, run])
         .output()
         .context("running wrk")?;
-    let cpu_used = cpu_time_us(target.pid, ticks_per_s)? - cpu_before;
+    let cpu_used = cpu_time_us(&pid)? - cpu_before;
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text
         .lines()

@@ -740,3 +740,61 @@ pub fn unique_name(prefix: &str) -> String {
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     )
 }
+
+/// The CPU time (user + system) process `pid` has used so far, in
+/// microseconds, from `/proc/PID/stat` (fields 14 and 15, in clock ticks):
+/// what the benchmarks report per request or message, because on shared
+/// cores it is far steadier than a rate. `pid` may be `"self"`. Linux only.
+///
+/// # Errors
+///
+/// When the file cannot be read or parsed.
+pub fn cpu_time_us(pid: &str) -> std::io::Result<f64> {
+    let invalid = |what: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("/proc/{pid}/stat: {what}"),
+        )
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let (_, rest) = stat
+        .rsplit_once(')')
+        .ok_or_else(|| invalid("no command name"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3 (the state): utime is field 14, stime 15.
+    let ticks = |i: usize| -> std::io::Result<f64> {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .ok_or_else(|| invalid("too short"))
+    };
+    Ok((ticks(11)? + ticks(12)?) / clock_ticks_per_s() * 1e6)
+}
+
+/// The kernel's clock ticks per second (`getconf CLK_TCK`), the unit of
+/// `/proc/PID/stat`'s CPU times; 100, Linux's value, if `getconf` fails.
+fn clock_ticks_per_s() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|out| String::from_utf8_lossy(&out.stdout).trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+/// The pid of a running process whose command name starts with `prefix`
+/// (`beam` for RabbitMQ's Erlang VM, `nats-server`), if there is one.
+pub fn find_process(prefix: &str) -> Option<String> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().into_owned();
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            comm.trim().starts_with(prefix).then_some(pid)
+        })
+}

@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idem_engine::testing::{cpu_time_us, find_process};
+
 use anyhow::{Context as _, bail};
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::message::PublishMessage;
@@ -96,10 +98,47 @@ struct Measured {
     rate: f64,
     p50: Duration,
     p99: Duration,
+    /// This process's CPU time (user + system) per message.
+    cpu_us: f64,
+    /// nats-server's CPU time per message (0 when its process is not found).
+    server_cpu_us: f64,
+}
+
+/// CPU time used by this process and by nats-server since `start`.
+struct CpuMeter {
+    server: Option<String>,
+    own: f64,
+    server_start: f64,
+}
+
+impl CpuMeter {
+    fn start() -> anyhow::Result<CpuMeter> {
+        let server = find_process("nats-server");
+        let server_start = server.as_deref().map_or(Ok(0.0), cpu_time_us)?;
+        Ok(CpuMeter {
+            server,
+            own: cpu_time_us("self")?,
+            server_start,
+        })
+    }
+
+    /// (this process, nats-server) CPU microseconds per message since `start`.
+    fn per_message(&self, messages: usize) -> anyhow::Result<(f64, f64)> {
+        let server = self.server.as_deref().map_or(Ok(0.0), cpu_time_us)?;
+        Ok((
+            (cpu_time_us("self")? - self.own) / messages as f64,
+            (server - self.server_start) / messages as f64,
+        ))
+    }
 }
 
 impl Measured {
-    fn new(messages: usize, elapsed: Duration, mut latencies: Vec<Duration>) -> Measured {
+    fn new(
+        messages: usize,
+        elapsed: Duration,
+        mut latencies: Vec<Duration>,
+        (cpu_us, server_cpu_us): (f64, f64),
+    ) -> Measured {
         latencies.sort_unstable();
         let at = |q: f64| {
             let i = ((latencies.len() as f64 * q).ceil() as usize).saturating_sub(1);
@@ -109,6 +148,8 @@ impl Measured {
             rate: messages as f64 / elapsed.as_secs_f64(),
             p50: at(0.50),
             p99: at(0.99),
+            cpu_us,
+            server_cpu_us,
         }
     }
 }
@@ -246,6 +287,7 @@ async fn measure_plain(js: &Context, tag: &str, args: &Args) -> anyhow::Result<M
     let pull = loaded(js, &name, args.messages).await?;
     let tally = Tally::new(args.messages);
     let (stop, stopped) = watch::channel(false);
+    let cpu = CpuMeter::start()?;
     let started = Instant::now();
     let runs: Vec<_> = (0..args.consumers)
         .map(|_| {
@@ -259,13 +301,19 @@ async fn measure_plain(js: &Context, tag: &str, args: &Args) -> anyhow::Result<M
         .collect();
     tally.wait().await?;
     let elapsed = started.elapsed();
+    let cpu = cpu.per_message(args.messages)?;
     stop.send_replace(true);
     for run in runs {
         run.await?;
     }
     drained(&pull).await?;
     js.delete_stream(&name).await?;
-    Ok(Measured::new(args.messages, elapsed, tally.latencies()))
+    Ok(Measured::new(
+        args.messages,
+        elapsed,
+        tally.latencies(),
+        cpu,
+    ))
 }
 
 async fn measure_idem(js: &Context, tag: &str, args: &Args) -> anyhow::Result<Measured> {
@@ -299,6 +347,7 @@ async fn measure_idem(js: &Context, tag: &str, args: &Args) -> anyhow::Result<Me
         }
     }));
     let (stop, stopped) = watch::channel(false);
+    let cpu = CpuMeter::start()?;
     let started = Instant::now();
     let runs: Vec<_> = (0..args.consumers)
         .map(|_| {
@@ -319,6 +368,7 @@ async fn measure_idem(js: &Context, tag: &str, args: &Args) -> anyhow::Result<Me
         .collect();
     tally.wait().await?;
     let elapsed = started.elapsed();
+    let cpu = cpu.per_message(args.messages)?;
     stop.send_replace(true);
     for run in runs {
         let report = run.await??;
@@ -330,7 +380,12 @@ async fn measure_idem(js: &Context, tag: &str, args: &Args) -> anyhow::Result<Me
     drained(&pull).await?;
     js.delete_stream(&name).await?;
     js.delete_stream(&dlq_name).await?;
-    Ok(Measured::new(args.messages, elapsed, tally.latencies()))
+    Ok(Measured::new(
+        args.messages,
+        elapsed,
+        tally.latencies(),
+        cpu,
+    ))
 }
 
 #[tokio::main]
@@ -352,8 +407,8 @@ async fn main() -> anyhow::Result<()> {
     let idem = measure_idem(&js, &tag, &args).await?;
     for (what, m) in [("plain ack", &plain), ("idem (SQLite)", &idem)] {
         println!(
-            "  {what:<14} {:>9.0} msg/s   handling p50 {:>8.2?}   p99 {:>8.2?}",
-            m.rate, m.p50, m.p99
+            "  {what:<14} {:>9.0} msg/s   handling p50 {:>8.2?}   p99 {:>8.2?}   CPU per message: this process {:>6.1} us, nats-server {:>6.1} us",
+            m.rate, m.p50, m.p99, m.cpu_us, m.server_cpu_us
         );
     }
     println!(

@@ -14,6 +14,7 @@ use anyhow::{Context, Result, bail};
 use futures_lite::StreamExt;
 use idem_consumer::{Consumer, ConsumerConfig};
 use idem_engine::Engine;
+use idem_engine::testing::{cpu_time_us, find_process};
 use idem_rabbitmq::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeleteOptions,
 };
@@ -57,18 +58,38 @@ async fn main() -> Result<()> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
 
-    let (bare, bare_p99) = run("bare", &conn, &producer, messages, consumers, false).await?;
-    let (idem, idem_p99) = run("idem", &conn, &producer, messages, consumers, true).await?;
+    let bare = run("bare", &conn, &producer, messages, consumers, false).await?;
+    let idem = run("idem", &conn, &producer, messages, consumers, true).await?;
     println!(
-        "rabbitmq, {consumers} consumers, {messages} messages: bare {bare:.0} msg/s (p99 {bare_p99:?}), \
-         idem on SQLite {idem:.0} msg/s (p99 {idem_p99:?}), ratio {:.2}",
-        idem / bare
+        "rabbitmq, {consumers} consumers, {messages} messages: bare {:.0} msg/s (p99 {:?}), \
+         idem on SQLite {:.0} msg/s (p99 {:?}), ratio {:.2}",
+        bare.rate,
+        bare.p99,
+        idem.rate,
+        idem.p99,
+        idem.rate / bare.rate
+    );
+    println!(
+        "  CPU per message: consumer process bare {:.1} us, idem {:.1} us; broker (beam.smp) bare {:.1} us, idem {:.1} us",
+        bare.cpu_us, idem.cpu_us, bare.broker_cpu_us, idem.broker_cpu_us
     );
     Ok(())
 }
 
+/// One run's figures.
+struct Figures {
+    /// Messages per second.
+    rate: f64,
+    /// The p99 from a delivery's arrival to its settlement.
+    p99: Duration,
+    /// This process's CPU time (user + system) per message.
+    cpu_us: f64,
+    /// The broker's CPU time per message (0 when its process is not found).
+    broker_cpu_us: f64,
+}
+
 /// Publishes `messages` to a fresh queue, then consumes them with
-/// `consumers` consumers; returns messages per second and the p99.
+/// `consumers` consumers; returns its [`Figures`].
 async fn run(
     name: &str,
     conn: &Connection,
@@ -76,7 +97,7 @@ async fn run(
     messages: usize,
     consumers: usize,
     with_idem: bool,
-) -> Result<(f64, Duration)> {
+) -> Result<Figures> {
     let queue = format!("idem-bench-{name}-{}", std::process::id());
     let topology = Topology::declare(producer, &queue).await?;
     for i in 0..messages {
@@ -97,6 +118,9 @@ async fn run(
         },
     )?;
     let latencies: Latencies = Arc::default();
+    let broker = find_process("beam");
+    let broker_cpu = || broker.as_deref().map_or(Ok(0.0), cpu_time_us);
+    let (cpu0, broker0) = (cpu_time_us("self")?, broker_cpu()?);
     let start = Instant::now();
     let mut tasks = Vec::new();
     let mut stats = Vec::new();
@@ -145,6 +169,8 @@ async fn run(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let elapsed = start.elapsed();
+    let cpu_us = (cpu_time_us("self")? - cpu0) / messages as f64;
+    let broker_cpu_us = (broker_cpu()? - broker0) / messages as f64;
     let _ = stop.send(true);
     for t in tasks {
         t.await??;
@@ -161,7 +187,12 @@ async fn run(
     let mut l = latencies.lock().expect("latencies").clone();
     l.sort();
     let p99 = l.get(l.len() * 99 / 100).copied().unwrap_or_default();
-    Ok((messages as f64 / elapsed.as_secs_f64(), p99))
+    Ok(Figures {
+        rate: messages as f64 / elapsed.as_secs_f64(),
+        p99,
+        cpu_us,
+        broker_cpu_us,
+    })
 }
 
 /// The same work without idem: ack each delivery.
