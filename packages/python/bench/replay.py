@@ -6,9 +6,9 @@ call whose key is already completed), in the same run.
     pip install 'idem-engine[bench]'   (aws-lambda-powertools[redis], redis)
     python bench/replay.py [--calls 5000] [--redis redis://127.0.0.1:6379/0]
 
-Also breaks down a 1 KiB-body replay: where wasmtime-py spends the time on
-``list<u8>`` with and without the package's bulk conversion; and splits a
-16 B and a 1 KiB replay into the component call (wasm and wasmtime's C API),
+Also times the Python side of one 1 KiB ``list<u8>`` with wasmtime-py's
+per-element conversion and with the package's; and splits a 16 B and a
+1 KiB replay into the component call (wasm and wasmtime's C API),
 the Python import callbacks and the Python around the call. Not run by CI.
 """
 
@@ -41,11 +41,17 @@ def measure(name, f, calls):
     return {"name": name, "ops_per_s": calls / total, "mean_us": mean, "p50_us": p50, "p99_us": p99}
 
 
-def idem_side(calls, body_bytes):
+def idem_side(calls, body_bytes, decoded_cache=True):
+    """Replays of one key. With ``decoded_cache=False`` the store decodes
+    the stored response on every call, as on a key's first replay."""
     from idem import Idem, Response, SqliteStore
+    from idem.sqlite import ResponseCache
 
     path = os.path.join(tempfile.mkdtemp(prefix="idem-bench-"), "idem.db")
-    idem = Idem(SqliteStore(path))
+    store = SqliteStore(path)
+    if not decoded_cache:
+        store._responses = ResponseCache(entries=0)
+    idem = Idem(store)
     payload = json.dumps({"sku": "A1", "qty": 2, "note": "x" * max(0, body_bytes - 40)}).encode()
     stored = b"y" * body_bytes
     key = f"bench-{uuid.uuid4()}"
@@ -59,7 +65,8 @@ def idem_side(calls, body_bytes):
         if r.decision != "replay":
             raise AssertionError(r)
 
-    return measure(f"idem begin, replay ({len(payload)} B request, {body_bytes} B response)", replay, calls)
+    label = "" if decoded_cache else ", no cache"
+    return measure(f"idem begin, replay ({len(payload)} B request, {body_bytes} B response{label})", replay, calls)
 
 
 def powertools_side(calls, body_bytes, url):
@@ -142,22 +149,35 @@ def time_split(calls, body_bytes):
 
 
 def list_u8_breakdown(calls):
-    """The cost of one 1 KiB list<u8> in begin's request, with wasmtime-py's
-    own per-element conversion and with the package's bulk conversion."""
-    import idem._host as host
-    from wasmtime.component._types import ListType
+    """The Python side of one 1 KiB list<u8> (lowered, then lifted back;
+    the C API's own conversion is in the split below): with wasmtime-py's
+    per-element conversion, and as the package does it (laid out in the
+    call's arena with two slice assignments, read back from one snapshot)."""
+    import ctypes
 
-    fast = (ListType.convert_to_c, ListType.convert_from_c)
-    results = []
-    for label, (to_c, from_c) in (("wasmtime-py per element", (host._orig_to_c, host._orig_from_c)),
-                                  ("bulk (idem package)", fast)):
-        ListType.convert_to_c, ListType.convert_from_c = to_c, from_c
-        try:
-            results.append(idem_side(max(50, calls // (20 if "element" in label else 1)), 1024) | {"conversion": label})
-            print(f"    ^ list<u8> conversion: {label}", flush=True)
-        finally:
-            ListType.convert_to_c, ListType.convert_from_c = fast
-    return results
+    import idem._host as host
+    from idem import Idem, SqliteStore
+    from wasmtime import _ffi as ffi
+
+    idem = Idem(SqliteStore(os.path.join(tempfile.mkdtemp(prefix="idem-bench-"), "idem.db")))
+    request = idem._exports.funcs["begin"][1].params[0]
+    body = dict(request.fields)["body"]  # list<u8>
+    data = bytes(range(256)) * 4
+
+    def per_element():
+        c = ffi.wasmtime_component_val_t()
+        host._orig_to_c(body, None, data, ctypes.pointer(c))
+        return host._orig_from_c(body, c)  # frees it
+
+    low, lift = host._lowerer(body), host._lifter(body)
+
+    def package():
+        _buf, _pinned, base = host._lower_all([low], (data,))
+        return lift(ctypes.string_at(base, 32), 0)
+
+    assert per_element() == package() == data
+    return [measure("list<u8> 1 KiB, lower + lift: wasmtime-py per element", per_element, max(50, calls // 20)),
+            measure("list<u8> 1 KiB, lower + lift: the package (arena)", package, calls)]
 
 
 def main():
@@ -168,6 +188,8 @@ def main():
     a = ap.parse_args()
     print(f"python {sys.version.split()[0]}", flush=True)
     out = [idem_side(a.calls, 16), idem_side(a.calls, 1024)]
+    print("  without the store's decoded-response cache (every replay decodes, as a key's first does):", flush=True)
+    out += [idem_side(a.calls, 16, decoded_cache=False), idem_side(a.calls, 1024, decoded_cache=False)]
     try:
         out += [powertools_side(a.calls, 16, a.redis), powertools_side(a.calls, 1024, a.redis)]
     except ImportError as e:

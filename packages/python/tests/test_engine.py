@@ -229,6 +229,38 @@ def test_large_bodies_round_trip_exactly(env):
     assert r.response.body == body and r.response.headers == [("x-bin", bytes([0, 255, 10]))]
 
 
+
+def test_decoded_responses_are_cached_by_their_exact_bytes_and_never_shared(env):
+    import json
+
+    from idem.sqlite import ResponseCache, _decode_json, _response_of
+
+    def column(status, body):
+        return json.dumps({"status": status, "headers": [["x", [1, 2]]], "body": list(body)}).encode()
+
+    cache = ResponseCache(entries=3)
+    a, b = column(200, b"a"), column(201, b"b")
+    first = cache.response(a)
+    first.status, first.body = 500, b"changed"
+    first.headers.append(("y", b""))  # each call gets its own record: nothing leaks into the next
+    again = cache.response(a)
+    assert vars(again) == vars(_response_of(_decode_json(a, "response"), "response"))
+    assert again.status == 200 and again.headers == [("x", bytes([1, 2]))] and again.body == b"a"
+    assert cache.response(b).status == 201 and cache.response(a).status == 200
+    for i in range(10):
+        cache.response(column(300 + i, b"z"))
+    assert len(cache._parts) == 3  # bounded
+    assert cache.response(None) is None and cache.response(b"null") is None
+    # Through the store: two keys with the same response, each replayed as stored.
+    for key in ("k1", "k2"):
+        d = env.idem.begin(S, B, key, body={})
+        env.idem.complete(d.ticket, response=Response(200, [("x", b"1")], b"same"))
+    for _ in range(2):
+        for key in ("k1", "k2"):
+            r = env.idem.begin(S, B, key, body={})
+            assert r.decision == "replay" and r.response == Response(200, [("x", b"1")], b"same")
+
+
 def test_business_write_and_completion_commit_together(env):
     c = env.store.connection
     c.execute("CREATE TABLE orders (idem_key TEXT NOT NULL)")

@@ -69,3 +69,41 @@ def test_bodies_and_records_round_trip(env, size):
         assert r.decision == "replay" and r.response == resp and r.result_ref is None
     status = env.idem.inspect(S, B, f"k{size}")
     assert status["status"] == "succeeded" and status["attempts"] == 1
+
+
+# An import's result is owned by the C API, which frees it after the
+# callback. Run in a child process: handing it Python memory aborts the
+# process (free(): invalid pointer).
+_IMPORT_RESULT_CHILD = r"""
+import ctypes, os, sys, tempfile
+from idem import Idem, SqliteStore
+import idem._host as h
+
+ex = Idem(SqliteStore(os.path.join(tempfile.mkdtemp(), "idem.db")))._exports
+policy_type = ex._policy_type
+variant_type = dict(policy_type.fields)["in-progress"]  # `reject` has no payload, only its case name
+for ty, value in ((variant_type, None), (policy_type, ex.policy(None))):
+    sig = object.__new__(h._Signature)
+    sig.params, sig.lift_params, sig.result = [], [], ty
+    sig.lower_result, sig.result_flat = h._lowerer(ty), type(ty) in h._FLAT
+    idx = h._next_import[0]
+    h._next_import[0] += 1
+    h._IMPORTS[idx] = [lambda _store, v=value: v, sig]
+    results = h._VAL()
+    assert h._import_impl(idx, None, None, None, 0, ctypes.addressof(results), 1) == 0
+    got = h._lifter(ty)(ctypes.string_at(ctypes.addressof(results), 32), 0)
+    h._val_delete(ctypes.byref(results))  # what the C API does once the callback returns
+    del h._IMPORTS[idx]
+    assert got is None if value is None else getattr(got, "lease-ms") == 60_000, got
+print("ok")
+"""
+
+
+def test_an_import_result_is_handed_over_as_memory_the_c_api_owns(tmp_path):
+    """A `variant` case without payload and a `Lowered` record point
+    outside the call's buffer with no fixup: they are copied too."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _IMPORT_RESULT_CHILD], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.strip() == "ok", (child.returncode, child.stdout, child.stderr)

@@ -175,26 +175,26 @@ ffi.str_to_capi = _str_to_capi
 
 
 class Lowered:
-    """A value lowered once into the C API's representation and copied
-    (one `wasmtime_component_val_clone`) into every call that passes it:
-    for values that do not change between calls, such as a policy. It may
-    stand for the value as an export's argument or as a record field."""
+    """A value lowered once, for values that do not change between calls,
+    such as a policy: laid out in its own arena (see "calls: arenas and
+    snapshots" below), kept for the life of this object, and copied into
+    each call that passes it as its top `wasmtime_component_val_t` only
+    (32 bytes; what it points at stays in this arena, which the C API only
+    reads). It may stand for the value as an export's argument or as a
+    record field."""
 
-    __slots__ = ("c",)
+    __slots__ = ("top", "_arena", "_pinned", "_base", "_low")
 
     def __init__(self, ty: Any, value: Any):
-        c = ffi.wasmtime_component_val_t()
-        ty.convert_to_c(None, value, ctypes.pointer(c))
-        self.c = c
+        # The lowering function is kept too: the arena points at the names
+        # (record fields, variant cases) its `_Names` buffers hold.
+        self._low = _lowerer(ty)
+        self._arena, self._pinned, self._base = _lower_all([self._low], (value,))
+        self.top = bytes(self._arena[:32])
 
     def copy_to(self, ptr: Any) -> None:
-        _val_clone(_byref(self.c), ptr)
-
-    def __del__(self) -> None:
-        c = getattr(self, "c", None)
-        if c is not None and _val_delete is not None:  # None: the interpreter is shutting down
-            self.c = None
-            _val_delete(_byref(c))
+        """A deep copy into `ptr`, owned by the caller (wasmtime-py's conversions)."""
+        _clone_at(self._base, ctypes.cast(ptr, ctypes.c_void_p).value)
 
 
 _val_clone = ffi.wasmtime_component_val_clone
@@ -534,63 +534,586 @@ _t.String.convert_from_c = _string_from_c
 _t.EnumType.convert_from_c = _string_from_c  # an enum's case is its name, as a string
 
 
-class _Signature:
-    """The parameter and result types of one function, asked once."""
+# ------------------------------------------------------------ calls: arenas and snapshots
+#
+# A call's arguments (and an import's result) are laid out as the C API's
+# `wasmtime_component_val_t` tree in one Python buffer (an arena): every
+# list, record, string and option payload is a range of that buffer, and
+# its pointers are the buffer's address plus an offset, written once the
+# buffer is complete. The C API only reads an export's arguments (it
+# converts them into its own values), so the arena is passed as it is: no
+# allocation in Wasmtime, nothing to free. An import's result is owned by
+# the C API, which frees it: the arena is copied into its allocations with
+# one `wasmtime_component_val_clone` (a deep copy). A `list<u8>` is laid out
+# with two slice assignments (the kinds, then the bytes).
+#
+# Results (an export's result, an import's arguments) are read from
+# snapshots (`string_at`) of each array the tree points at, and freed once,
+# by the owner: `wasmtime_component_val_delete` on an export's result, the
+# C API for an import's arguments.
+#
+# Each type is compiled once into a lowering function `low(value, buf, at,
+# fix)`, which writes the value at `buf[at:at + 32]` and appends what it
+# points at (recording each pointer's place and target in `fix`), and a
+# lifting function `lift(snapshot, at)`. The checks and errors are
+# wasmtime-py's (wrong Python types raise TypeError, a value no case of an
+# untagged variant takes raises ValueError).
 
-    __slots__ = ("params", "result")
+_KIND = {name: getattr(ffi, f"WASMTIME_COMPONENT_{name}").value for name in (
+    "BOOL", "S8", "U8", "S16", "U16", "S32", "U32", "S64", "U64", "F32", "F64", "CHAR", "STRING", "LIST",
+    "RECORD", "TUPLE", "VARIANT", "ENUM", "OPTION", "RESULT")}
+_Q = struct.Struct("=Q")
+_HEAD = struct.Struct("=B")
+_HEAD_VEC = struct.Struct("=B7xQ")  # kind, size (the data pointer is a fixup)
+_HEAD_VARIANT = struct.Struct("=B7xQQ")  # kind, discriminant size and address (the payload is a fixup)
+_HEAD_RESULT = struct.Struct("=B7x?")
+_PADS = [b"\0" * i for i in range(8)]
+_ENTRY_NAME = struct.Struct("=QQ")
+_c_char = ctypes.c_char
+_addressof = ctypes.addressof
+
+if _VAL_SIZE != 32 or _OF != 8 or _ENTRY_SIZE != 48 or _ENTRY_VAL != 16:
+    raise ImportError("idem: this wasmtime's component value layout is not the one the package knows")
+
+# The C functions on their own function objects, taking addresses.
+_clone_at = _dll["wasmtime_component_val_clone"]
+_clone_at.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_clone_at.restype = None
+_delete_at = _dll["wasmtime_component_val_delete"]
+_delete_at.argtypes = [ctypes.c_void_p]
+_delete_at.restype = None
+
+
+class _Names:
+    """Strings that a type's values point at (record field names, variant
+    case names), in one buffer kept for the life of the process' types."""
+
+    def __init__(self, names: list[str]):
+        blob = b"".join(n.encode("utf-8") for n in names) or b"\0"
+        self.buf = ctypes.create_string_buffer(blob, len(blob))
+        base = _addressof(self.buf)
+        self.at = []
+        off = 0
+        for n in names:
+            b = n.encode("utf-8")
+            self.at.append((len(b), base + off if b else 0))
+            off += len(b)
+
+
+def _relocate(buf: bytearray, fix: list) -> tuple:
+    """Pins the arena and writes its pointers: (the pinning array, address)."""
+    pinned = (_c_char * len(buf)).from_buffer(buf)
+    base = _addressof(pinned)
+    pack = _Q.pack_into
+    it = iter(fix)
+    for pos, target in zip(it, it):
+        pack(buf, pos, base + target)
+    return pinned, base
+
+
+def _compiled(ty: Any, slot: str, compile: Callable[[Any], Any]) -> Any:
+    """`compile(ty)`, made once per type object and kept on it."""
+    d = ty.__dict__
+    f = d.get(slot)
+    if f is None:
+        f = d[slot] = compile(ty)
+    return f
+
+
+def _lowerer(ty: Any) -> Callable[..., None]:
+    return _compiled(ty, "_idem_low", _compile_lower)
+
+
+def _lifter(ty: Any) -> Callable[..., Any]:
+    return _compiled(ty, "_idem_lift", _compile_lift)
+
+
+_INTS = {_t.S8: ("S8", "b", 0xFF), _t.U8: ("U8", "B", 0xFF), _t.S16: ("S16", "H", 0xFFFF),
+         _t.U16: ("U16", "H", 0xFFFF), _t.S32: ("S32", "I", 0xFFFFFFFF), _t.U32: ("U32", "I", 0xFFFFFFFF),
+         _t.S64: ("S64", "Q", (1 << 64) - 1), _t.U64: ("U64", "Q", (1 << 64) - 1)}
+_INTS_LIFT = {_t.S8: "b", _t.U8: "B", _t.S16: "h", _t.U16: "H", _t.S32: "i", _t.U32: "I", _t.S64: "q", _t.U64: "Q"}
+
+
+def _case_classes(ty: Any) -> Optional[tuple]:
+    if ty is None:
+        return None
+    s: set = set()
+    ty.add_classes(s)
+    return tuple(s)
+
+
+def _compile_lower(ty: Any) -> Callable[..., None]:  # noqa: C901 - one case per kind of type
+    cls = type(ty)
+    if cls in _INTS:
+        name, fmt, mask = _INTS[cls]
+        kind = _KIND[name]
+        st = struct.Struct(f"=B7x{'B' if fmt == 'b' else fmt}")
+        msg = f"expected int for {cls.__name__} type"
+
+        def low_int(v: Any, buf: bytearray, at: int, fix: list) -> None:
+            if not isinstance(v, int):
+                raise TypeError(msg)
+            st.pack_into(buf, at, kind, v & mask)
+        return low_int
+    if cls is _t.Bool:
+        st = struct.Struct("=B7x?")
+        kind = _KIND["BOOL"]
+
+        def low_bool(v: Any, buf: bytearray, at: int, fix: list) -> None:
+            if not isinstance(v, bool):
+                raise TypeError("expected bool for Bool type")
+            st.pack_into(buf, at, kind, v)
+        return low_bool
+    if cls in (_t.F32, _t.F64):
+        kind = _KIND["F32" if cls is _t.F32 else "F64"]
+        st = struct.Struct("=B7xf" if cls is _t.F32 else "=B7xd")
+
+        msg = f"expected float for {cls.__name__} type"
+
+        def low_float(v: Any, buf: bytearray, at: int, fix: list) -> None:
+            if not isinstance(v, float):
+                raise TypeError(msg)
+            st.pack_into(buf, at, kind, v)
+        return low_float
+    if cls is _t.Char:
+        st = struct.Struct("=B7xI")
+        kind = _KIND["CHAR"]
+
+        def low_char(v: Any, buf: bytearray, at: int, fix: list) -> None:
+            if not isinstance(v, str) or len(v) != 1:
+                raise TypeError("expected single-character string for Char type")
+            st.pack_into(buf, at, kind, ord(v))
+        return low_char
+    if cls in (_t.String, _t.EnumType):
+        kind = _KIND["STRING" if cls is _t.String else "ENUM"]
+        msg = "expected string type" if cls is _t.String else "expected str type"
+        head = _HEAD_VEC.pack_into
+        only = _HEAD.pack_into
+
+        def low_str(v: Any, buf: bytearray, at: int, fix: list) -> None:
+            if not isinstance(v, str):
+                raise TypeError(msg)
+            b = v.encode("utf-8")
+            n = len(b)
+            if n:
+                off = len(buf)
+                buf += b
+                buf += _PADS[-n & 7]
+                head(buf, at, kind, n)
+                fix += (at + 16, off)
+            else:
+                only(buf, at, kind)
+        return low_str
+    if cls is _t.ListType:
+        kind = _KIND["LIST"]
+        head = _HEAD_VEC.pack_into
+        if ty._is_bytes():
+            u8 = bytes((_KIND["U8"],))
+
+            def low_bytes(v: Any, buf: bytearray, at: int, fix: list) -> None:
+                if not isinstance(v, (bytes, bytearray, memoryview)):
+                    raise TypeError("expected bytes value")
+                if type(v) is not bytes:
+                    v = bytes(v)
+                n = len(v)
+                head(buf, at, kind, n)
+                if n:
+                    off = len(buf)
+                    end = off + 32 * n
+                    buf += bytes(32 * n)
+                    buf[off:end:32] = u8 * n
+                    buf[off + 8:end:32] = v
+                    fix += (at + 16, off)
+            return low_bytes
+        element = ty.element
+
+        def low_list(v: Any, buf: bytearray, at: int, fix: list) -> None:
+            if not isinstance(v, list):
+                raise TypeError("expected list value")
+            n = len(v)
+            head(buf, at, kind, n)
+            if n:
+                el = _lowerer(element)
+                off = len(buf)
+                buf += bytes(32 * n)
+                fix += (at + 16, off)
+                for e in v:
+                    el(e, buf, off, fix)
+                    off += 32
+        return low_list
+    if cls is _t.TupleType:
+        kind = _KIND["TUPLE"]
+        head = _HEAD_VEC.pack_into
+        elements = ty.elements
+        count = len(elements)
+
+        def low_tuple(v: Any, buf: bytearray, at: int, fix: list) -> None:
+            if not isinstance(v, tuple):
+                raise TypeError("expected tuple type")
+            if len(v) != count:
+                raise TypeError("tuple length mismatch")
+            head(buf, at, kind, count)
+            if count:
+                off = len(buf)
+                buf += bytes(32 * count)
+                fix += (at + 16, off)
+                for t, e in zip(elements, v):
+                    _lowerer(t)(e, buf, off, fix)
+                    off += 32
+        return low_tuple
+    if cls is _t.RecordType:
+        return _compile_lower_record(ty)
+    if cls in (_t.VariantType, _t.OptionType, _t.ResultType):
+        return _compile_lower_variant(ty, cls)
+    raise NotImplementedError(f"idem: values of {cls.__name__} are not supported")
+
+
+def _compile_lower_record(ty: Any) -> Callable[..., None]:
+    """A record's lowering as straight-line code (generated once per record
+    type): integers, booleans, strings, enums and absent untagged options
+    written in place, any other field by its type's function."""
+    fields = ty.fields
+    names = _Names([n for n, _ in fields])
+    template = bytearray(48 * len(fields))
+    for i, (size, address) in enumerate(names.at):
+        _ENTRY_NAME.pack_into(template, 48 * i, size, address)
+    ns: dict = {"Lowered": Lowered, "template": bytes(template), "head": _HEAD_VEC.pack_into, "only": _HEAD.pack_into,
+                "PADS": _PADS, "KIND": _KIND["RECORD"], "names": names, "lowerer": _lowerer}
+    code = ["def low_record(v, buf, at, fix):",
+            "    if type(v) is Lowered:",
+            "        buf[at:at + 32] = v.top",
+            "        return",
+            "    off = len(buf)",
+            "    buf += template",
+            f"    head(buf, at, KIND, {len(fields)})"]
+    if fields:
+        code.append("    fix += (at + 16, off)")
+    for i, (name, t) in enumerate(fields):
+        fa = 48 * i + 16
+        tc = type(t)
+        ns[f"N{i}"] = name
+        ns[f"T{i}"] = t
+        code.append(f"    x = getattr(v, N{i})")
+        if tc in _INTS or tc is _t.Bool:
+            if tc is _t.Bool:
+                ns[f"S{i}"] = struct.Struct("=B7x?").pack_into
+                code += [f"    if not isinstance(x, bool): raise TypeError('expected bool for Bool type')",
+                         f"    S{i}(buf, off + {fa}, {_KIND['BOOL']}, x)"]
+            else:
+                kname, fmt, mask = _INTS[tc]
+                ns[f"S{i}"] = struct.Struct(f"=B7x{'B' if fmt == 'b' else fmt}").pack_into
+                ns[f"M{i}"] = f"expected int for {tc.__name__} type"
+                code += [f"    if not isinstance(x, int): raise TypeError(M{i})",
+                         f"    S{i}(buf, off + {fa}, {_KIND[kname]}, x & {mask})"]
+        elif tc in (_t.String, _t.EnumType):
+            kind = _KIND["STRING" if tc is _t.String else "ENUM"]
+            ns[f"M{i}"] = "expected string type" if tc is _t.String else "expected str type"
+            code += [f"    if not isinstance(x, str): raise TypeError(M{i})",
+                     "    b = x.encode('utf-8')",
+                     "    n = len(b)",
+                     "    if n:",
+                     "        o = len(buf)",
+                     "        buf += b",
+                     "        buf += PADS[-n & 7]",
+                     f"        head(buf, off + {fa}, {kind}, n)",
+                     f"        fix += (off + {fa + 16}, o)",
+                     "    else:",
+                     f"        only(buf, off + {fa}, {kind})"]
+        elif tc is _t.OptionType and not t._tagged():
+            code += ["    if x is None:",
+                     f"        only(buf, off + {fa}, {_KIND['OPTION']})",
+                     "    else:",
+                     f"        lowerer(T{i})(x, buf, off + {fa}, fix)"]
+        else:
+            code.append(f"    lowerer(T{i})(x, buf, off + {fa}, fix)")
+    exec("\n".join(code), ns)  # noqa: S102 - generated from the type's field list only
+    return ns["low_record"]
+
+
+def _compile_lift_record(ty: Any) -> Callable[..., Any]:
+    """A record's lifting as straight-line code (generated once per record
+    type), from one snapshot of its entries."""
+    fields = ty.fields
+    ns: dict = {"Record": Record, "vec": _VEC.unpack_from, "string_at": _string_at, "lifter": _lifter,
+                "ptr": _PTR.unpack_from}
+    code = ["def lift_record(s, at):",
+            "    n, p = vec(s, at + 8)",
+            f"    if n != {len(fields)}: return generic(s, at)",
+            f"    e = string_at(p, {48 * len(fields)})" if fields else "    e = b''",
+            "    ret = Record()",
+            "    d = ret.__dict__"]
+    for i, (name, t) in enumerate(fields):
+        va = 48 * i + 16 + 8  # the value's union
+        tc = type(t)
+        ns[f"N{i}"] = name
+        ns[f"T{i}"] = t
+        if tc in _INTS_LIFT or tc is _t.Bool:
+            ns[f"U{i}"] = struct.Struct("=" + ("?" if tc is _t.Bool else _INTS_LIFT[tc])).unpack_from
+            code.append(f"    d[N{i}] = U{i}(e, {va})[0]")
+        elif tc in (_t.String, _t.EnumType):
+            code += [f"    n, p = vec(e, {va})",
+                     f"    d[N{i}] = string_at(p, n).decode('utf-8') if n else ''"]
+        elif tc is _t.OptionType and not t._tagged():
+            code.append(f"    d[N{i}] = lifter(T{i})(e, {va - 8}) if ptr(e, {va})[0] else None")
+        else:
+            code.append(f"    d[N{i}] = lifter(T{i})(e, {va - 8})")
+    code.append("    return ret")
+
+    def generic(s: bytes, at: int) -> Any:
+        n, p = _VEC.unpack_from(s, at + 8)
+        entries = _string_at(p, 48 * n) if n else b""
+        ret = Record()
+        for (name, t), i in zip(fields, range(16, 48 * n, 48)):
+            ret.__dict__[name] = _lifter(t)(entries, i)
+        return ret
+    ns["generic"] = generic
+    exec("\n".join(code), ns)  # noqa: S102 - generated from the type's field list only
+    return ns["lift_record"]
+
+
+def _compile_lower_variant(ty: Any, cls: type) -> Callable[..., None]:
+    cases = ty._cases()
+    tagged = ty._tagged()
+    names = _Names([n for n, _ in cases])
+    # (name, index, payload type, classes an untagged value of the case has)
+    table = [(name, i, t, None if tagged else _case_classes(t)) for i, (name, t) in enumerate(cases)]
+    by_tag = {row[0]: row for row in table}
+    if cls is _t.VariantType:
+        kind = _KIND["VARIANT"]
+
+        def head(buf: bytearray, at: int, i: int) -> int:
+            size, address = names.at[i]
+            _HEAD_VARIANT.pack_into(buf, at, kind, size, address)
+            return at + 24
+    elif cls is _t.OptionType:
+        kind = _KIND["OPTION"]
+
+        def head(buf: bytearray, at: int, i: int) -> int:
+            _HEAD.pack_into(buf, at, kind)
+            return at + 8
+    else:
+        kind = _KIND["RESULT"]
+
+        def head(buf: bytearray, at: int, i: int) -> int:
+            _HEAD_RESULT.pack_into(buf, at, kind, i == 0)
+            return at + 16
+
+    def low_variant(v: Any, buf: bytearray, at: int, fix: list) -> None:
+        if tagged:
+            if not isinstance(v, Variant):
+                raise TypeError("expected Variant type")
+            row = by_tag.get(v.tag)
+            if row is None:
+                raise ValueError("value not valid for this variant")
+            payload = v.payload
+        else:
+            for row in table:
+                classes = row[3]
+                if (v is None) if classes is None else isinstance(v, classes):
+                    break
+            else:
+                raise ValueError("value not valid for this variant")
+            payload = v
+        _name, i, t, _classes = row
+        ptr_at = head(buf, at, i)
+        if t is not None:
+            off = len(buf)
+            buf += _ZERO_VAL
+            fix += (ptr_at, off)
+            _lowerer(t)(payload, buf, off, fix)
+    low_variant._names = names  # type: ignore[attr-defined]
+    return low_variant
+
+
+def _compile_lift(ty: Any) -> Callable[..., Any]:  # noqa: C901 - one case per kind of type
+    cls = type(ty)
+    if cls in _INTS_LIFT or cls is _t.Bool or cls in (_t.F32, _t.F64):
+        fmt = "?" if cls is _t.Bool else "f" if cls is _t.F32 else "d" if cls is _t.F64 else _INTS_LIFT[cls]
+        unpack = struct.Struct("=" + fmt).unpack_from
+
+        def lift_scalar(s: bytes, at: int) -> Any:
+            return unpack(s, at + 8)[0]
+        return lift_scalar
+    if cls is _t.Char:
+        unpack = struct.Struct("=I").unpack_from
+
+        def lift_char(s: bytes, at: int) -> Any:
+            return chr(unpack(s, at + 8)[0])
+        return lift_char
+    if cls in (_t.String, _t.EnumType):
+        vec = _VEC.unpack_from
+
+        def lift_str(s: bytes, at: int) -> Any:
+            n, p = vec(s, at + 8)
+            return _string_at(p, n).decode("utf-8") if n else ""
+        return lift_str
+    if cls is _t.ListType:
+        vec = _VEC.unpack_from
+        if ty._is_bytes():
+            def lift_bytes(s: bytes, at: int) -> Any:
+                n, p = vec(s, at + 8)
+                return _string_at(p, 32 * n)[8::32] if n else b""
+            return lift_bytes
+        element = ty.element
+
+        def lift_list(s: bytes, at: int) -> Any:
+            n, p = vec(s, at + 8)
+            if not n:
+                return []
+            el = _lifter(element)
+            items = _string_at(p, 32 * n)
+            return [el(items, i) for i in range(0, 32 * n, 32)]
+        return lift_list
+    if cls is _t.TupleType:
+        vec = _VEC.unpack_from
+        elements = ty.elements
+
+        def lift_tuple(s: bytes, at: int) -> Any:
+            n, p = vec(s, at + 8)
+            items = _string_at(p, 32 * n) if n else b""
+            return tuple(_lifter(t)(items, i) for t, i in zip(elements, range(0, 32 * n, 32)))
+        return lift_tuple
+    if cls is _t.RecordType:
+        return _compile_lift_record(ty)
+    if cls in (_t.VariantType, _t.OptionType, _t.ResultType):
+        tagged = ty._tagged()
+        cases = ty._cases()
+        by_tag = dict(cases)
+        ptr = _PTR.unpack_from
+        vec = _VEC.unpack_from
+
+        def payload(tag: str, p: int) -> Any:
+            if tag not in by_tag:
+                raise ValueError(f"tag {tag} not found in variant cases")
+            t = by_tag[tag]
+            if t is None:
+                return Variant(tag) if tagged else None
+            value = _lifter(t)(_string_at(p, 32), 0)
+            return Variant(tag, value) if tagged else value
+        if cls is _t.VariantType:
+            def lift_variant(s: bytes, at: int) -> Any:
+                n, p = vec(s, at + 8)
+                return payload(_string_at(p, n).decode("utf-8") if n else "", ptr(s, at + 24)[0])
+            return lift_variant
+        if cls is _t.OptionType:
+            def lift_option(s: bytes, at: int) -> Any:
+                p = ptr(s, at + 8)[0]
+                return payload("some" if p else "none", p)
+            return lift_option
+        is_ok = struct.Struct("=?").unpack_from
+
+        def lift_result(s: bytes, at: int) -> Any:
+            return payload("ok" if is_ok(s, at + 8)[0] else "err", ptr(s, at + 16)[0])
+        return lift_result
+    raise NotImplementedError(f"idem: values of {cls.__name__} are not supported")
+
+
+_FLAT = frozenset(_INTS) | {_t.Bool, _t.F32, _t.F64, _t.Char}
+
+
+class _Signature:
+    """The parameter and result types of one function, asked once, with
+    their lowering and lifting functions."""
+
+    __slots__ = ("params", "result", "lower", "lift", "lift_params", "lower_result", "result_flat")
 
     def __init__(self, fty: Any):
         self.params = [ty for _, ty in fty.params]
         self.result = fty.result
+        # An export lowers its parameters and lifts its result; an import the other way.
+        self.lower = [_lowerer(ty) for ty in self.params]
+        self.lift = _lifter(self.result) if self.result is not None else None
+        self.lift_params = [_lifter(ty) for ty in self.params]
+        self.lower_result = _lowerer(self.result) if self.result is not None else None
+        # A result that can hold no pointer (a number, a bool, a char): handed to the C API as it is.
+        self.result_flat = type(self.result) in _FLAT
+
+
+def _lower_all(lowers: list, values: tuple) -> tuple:
+    """The values as an arena of consecutive `wasmtime_component_val_t`:
+    (the arena, its pinning array, its address)."""
+    buf = bytearray(32 * len(values))
+    fix: list = []
+    at = 0
+    for low, v in zip(lowers, values):
+        if type(v) is Lowered:
+            buf[at:at + 32] = v.top
+        else:
+            low(v, buf, at, fix)
+        at += 32
+    pinned, base = _relocate(buf, fix)
+    return buf, pinned, base
 
 
 def _call_export(func: Any, sig: _Signature, store: Any, params: tuple) -> Any:
     """`Func.__call__` with the function's types known."""
     if len(params) != len(sig.params):
         raise TypeError(f"wrong number of parameters provided: given {len(params)}, expected {len(sig.params)}")
-    param_capi = (ffi.wasmtime_component_val_t * len(params))()
-    n = 0
+    n = len(params)
+    _buf, pinned, _base = _lower_all(sig.lower, params)
+    args = (_VAL * n).from_buffer(_buf) if n else None
+    if sig.result is None:
+        enter_wasm(lambda: ffi.wasmtime_component_func_call(_byref(func._func), store._context(), args, n, None, 0))
+        return None
+    result = _VAL()
+    enter_wasm(lambda: ffi.wasmtime_component_func_call(_byref(func._func), store._context(), args, n,
+                                                         _byref(result), 1))
     try:
-        for ty, val in zip(sig.params, params):
-            if type(val) is Lowered:
-                val.copy_to(ctypes.pointer(param_capi[n]))
-            else:
-                ty.convert_to_c(store, val, ctypes.pointer(param_capi[n]))
-            n += 1
-        result_space = ffi.wasmtime_component_val_t() if sig.result is not None else None
-        result_capi = ctypes.byref(result_space) if result_space is not None else None
-        enter_wasm(lambda: ffi.wasmtime_component_func_call(ctypes.byref(func._func), store._context(), param_capi, n,
-                                                             result_capi, 1 if result_space is not None else 0))
-        if result_space is None:
-            return None
-        return sig.result.convert_from_c(result_space)
+        return sig.lift(_string_at(_addressof(result), 32), 0)
     finally:
-        for i in range(n):
-            ffi.wasmtime_component_val_delete(ctypes.byref(param_capi[i]))
+        _val_delete(_byref(result))
 
 
 _IMPORTS: dict[int, list] = {}
 _next_import = [1]
 
 
-@ffi.wasmtime_component_func_callback_t
+# The import callback with every pointer as a plain address (no ctypes
+# pointer objects made per call, no casts).
+_callback_t = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t)
+_finalizer_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_linker_add_func = _dll["wasmtime_component_linker_instance_add_func"]
+_linker_add_func.argtypes = [ctypes.POINTER(ffi.wasmtime_component_linker_instance_t), ctypes.c_char_p, ctypes.c_size_t,
+                             _callback_t, ctypes.c_void_p, _finalizer_t]
+_linker_add_func.restype = ctypes.POINTER(ffi.wasmtime_error_t)
+_functype_p = ctypes.POINTER(ffi.wasmtime_component_func_type_t)
+_memmove = ctypes.memmove
+
+
+@_callback_t
 def _import_impl(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore[no-untyped-def]
     entry = _IMPORTS[idx or 0]
 
     def run(store: Any) -> None:
         sig = entry[1]
         if sig is None:
-            with _t.FuncType._from_ptr(ty_raw, owner=store) as fty:
+            with _t.FuncType._from_ptr(ctypes.cast(ty_raw, _functype_p), owner=store) as fty:
                 sig = entry[1] = _Signature(fty)
-        pyargs = [ty.convert_from_c(args[i]) for ty, i in zip(sig.params, range(nargs))]
-        result = entry[0](store, *pyargs)
+        # The arguments are the C API's: read, not freed.
+        if nargs:
+            snap = _string_at(args, 32 * nargs)
+            result = entry[0](store, *[lift(snap, at) for lift, at in zip(sig.lift_params, range(0, 32 * nargs, 32))])
+        else:
+            result = entry[0](store)
         if sig.result is not None:
-            sig.result.convert_to_c(store, result, results)
+            buf = bytearray(32)
+            fix: list = []
+            sig.lower_result(result, buf, 0, fix)
+            if sig.result_flat:
+                # No pointer in it: the value as it is.
+                _memmove(results, bytes(buf), 32)
+            else:
+                # The C API frees the result: a deep copy into its allocations. Always, even with no
+                # fixups: a value may point outside this buffer (a variant case's name in its type's
+                # `_Names`, a `Lowered` arena), memory the C API must not own.
+                _pinned, base = _relocate(buf, fix)
+                _clone_at(base, results)
 
     return catch_exceptions(context, run)
 
 
-@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+@_finalizer_t
 def _import_finalize(idx):  # type: ignore[no-untyped-def]
     _IMPORTS.pop(idx or 0, None)
 
@@ -601,8 +1124,7 @@ def _add_import(instance: Any, name: str, func: Callable[..., Any]) -> None:
     _next_import[0] += 1
     _IMPORTS[idx] = [func, None]
     name_bytes = name.encode("utf-8")
-    err_ = ffi.wasmtime_component_linker_instance_add_func(instance.ptr(), ctypes.create_string_buffer(name_bytes),
-                                                           len(name_bytes), _import_impl, idx, _import_finalize)
+    err_ = _linker_add_func(instance.ptr(), name_bytes, len(name_bytes), _import_impl, idx, _import_finalize)
     if err_:
         raise wasmtime.WasmtimeError._from_ptr(err_)
 
