@@ -6,9 +6,9 @@
 //! SQLite file, or on one PostgreSQL database, each writing its business
 //! row in the same transaction as its idempotency record.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use idem_nats::async_nats;
 use idem_nats::async_nats::jetstream::consumer::{AckPolicy, pull};
 use idem_nats::async_nats::jetstream::message::PublishMessage;
@@ -112,10 +112,8 @@ fn kill_run(store: &str, business: &mut dyn Business) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     killing::kill_repeatedly(&mut workers, &args, &mut Rng(seed))?;
 
-    let deadline = Instant::now() + DRAIN;
-    loop {
-        let distinct = business.count("COUNT(DISTINCT idem_key)")?;
-        let (pending, unacked) = runtime.block_on(async {
+    let rows = killing::drain_and_count(business, MESSAGES, DRAIN, workers, || {
+        runtime.block_on(async {
             let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
                 .get_stream(&name)
                 .await?
@@ -123,24 +121,9 @@ fn kill_run(store: &str, business: &mut dyn Business) -> Result<()> {
                 .await
                 .map_err(|e| anyhow::anyhow!("the consumer: {e}"))?;
             let info = consumer.info().await?;
-            anyhow::Ok((info.num_pending, info.num_ack_pending))
-        })?;
-        if distinct == MESSAGES as i64 && pending == 0 && unacked == 0 {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "after {DRAIN:?}: {distinct} messages took effect, {pending} pending, {unacked} unacked"
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    drop(workers);
-    let rows = business.count("COUNT(*)")?;
-    ensure!(
-        rows == MESSAGES as i64,
-        "{rows} business rows for {MESSAGES} messages: a message took effect twice"
-    );
+            anyhow::Ok(info.num_pending + info.num_ack_pending as u64)
+        })
+    })?;
     let dead = runtime.block_on(async {
         anyhow::Ok(
             js.get_stream(&dlq_stream)

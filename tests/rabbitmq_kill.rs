@@ -6,12 +6,10 @@
 //! writes its business row in the same transaction as its idempotency
 //! record.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, bail, ensure};
-use idem_rabbitmq::lapin::options::{
-    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use anyhow::{Context, Result, ensure};
+use idem_rabbitmq::lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
 use idem_rabbitmq::lapin::types::FieldTable;
 use idem_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
 use idem_rabbitmq::{Topology, publish};
@@ -98,44 +96,20 @@ fn kill_run(name: &str, business: &mut dyn Business) -> Result<()> {
     )?;
 
     let topology = Topology::named(&queue);
-    let deadline = Instant::now() + DRAIN;
-    loop {
-        let distinct = business.count("COUNT(DISTINCT idem_key)")?;
-        let waiting = runtime.block_on(async {
-            anyhow::Ok(
-                ready(&channel, &topology.queue).await?
-                    + ready(&channel, &topology.retry_queue).await?,
-            )
-        })?;
-        if distinct == MESSAGES as i64 && waiting == 0 {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!("after {DRAIN:?}: {distinct} messages took effect, {waiting} still queued");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    drop(workers);
-    let rows = business.count("COUNT(*)")?;
-    ensure!(
-        rows == MESSAGES as i64,
-        "{rows} business rows for {MESSAGES} messages: a message took effect twice"
-    );
+    let rows = killing::drain_and_count(business, MESSAGES, DRAIN, workers, || {
+        runtime.block_on(async {
+            let waiting = ready(&channel, &topology.queue).await?
+                + ready(&channel, &topology.retry_queue).await?;
+            anyhow::Ok(u64::from(waiting))
+        })
+    })?;
     let dead = runtime.block_on(ready(&channel, &topology.dead_letter_queue))?;
     ensure!(dead == 0, "{dead} messages dead-lettered");
     println!(
         "rabbitmq kills on {name}: {MESSAGES} messages published twice, {KILLS} consumers killed with SIGKILL, {rows} effects"
     );
     runtime.block_on(async {
-        for q in [
-            &topology.queue,
-            &topology.retry_queue,
-            &topology.dead_letter_queue,
-        ] {
-            channel
-                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                .await?;
-        }
+        topology.delete(&channel).await?;
         conn.close(200, "done".into()).await?;
         anyhow::Ok(())
     })

@@ -98,6 +98,40 @@ impl Drop for Postgres {
     }
 }
 
+/// Polls every 100 ms, at most `within`, until `messages` distinct
+/// messages have taken effect and `left()` (what the broker still holds:
+/// pending, unacked or waiting to be retried) is 0; then stops `workers`
+/// and checks that each message took effect exactly once. Returns the
+/// business rows.
+pub fn drain_and_count(
+    business: &mut dyn Business,
+    messages: usize,
+    within: std::time::Duration,
+    workers: Vec<Worker>,
+    mut left: impl FnMut() -> Result<u64>,
+) -> Result<i64> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let distinct = business.count("COUNT(DISTINCT idem_key)")?;
+        let left = left()?;
+        if distinct == messages as i64 && left == 0 {
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "after {within:?}: {distinct} messages took effect, {left} still held by the broker"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    drop(workers);
+    let rows = business.count("COUNT(*)")?;
+    ensure!(
+        rows == messages as i64,
+        "{rows} business rows for {messages} messages: a message took effect twice"
+    );
+    Ok(rows)
+}
+
 /// Kills per test run.
 pub const KILLS: usize = 20;
 /// Consumer processes at a time.

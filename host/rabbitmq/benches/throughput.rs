@@ -16,7 +16,7 @@ use idem_consumer::{Consumer, ConsumerConfig};
 use idem_engine::Engine;
 use idem_engine::testing::{cpu_time_us, find_process};
 use idem_rabbitmq::lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use idem_rabbitmq::lapin::types::FieldTable;
 use idem_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
@@ -175,15 +175,7 @@ async fn run(
     for t in tasks {
         t.await??;
     }
-    for q in [
-        &topology.queue,
-        &topology.retry_queue,
-        &topology.dead_letter_queue,
-    ] {
-        producer
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await?;
-    }
+    topology.delete(producer).await?;
     let mut l = latencies.lock().expect("latencies").clone();
     l.sort();
     let p99 = l.get(l.len() * 99 / 100).copied().unwrap_or_default();

@@ -17,7 +17,7 @@ use idem_consumer::{Consumer, ConsumerConfig};
 use idem_engine::Engine;
 use idem_engine::engine::ActionResult;
 use idem_engine::types::Success;
-use idem_rabbitmq::lapin::options::{ConfirmSelectOptions, QueueDeleteOptions};
+use idem_rabbitmq::lapin::options::ConfirmSelectOptions;
 use idem_rabbitmq::lapin::{Connection, ConnectionProperties};
 use idem_rabbitmq::{Options, RabbitConsumer, Stats, Topology, publish};
 use idem_sqlite::{RunInTransaction, SqliteOptions, SqliteStore};
@@ -112,14 +112,6 @@ async fn main() -> Result<()> {
         sum(|s| &s.dead_lettered),
         sum(|s| &s.retried),
     );
-    for q in [
-        &topology.queue,
-        &topology.retry_queue,
-        &topology.dead_letter_queue,
-    ] {
-        producer
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await?;
-    }
+    topology.delete(&producer).await?;
     Ok(())
 }

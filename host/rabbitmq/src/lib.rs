@@ -40,7 +40,7 @@ use lapin::Confirmation;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
@@ -151,6 +151,21 @@ impl Topology {
             )
             .await?;
         Ok(t)
+    }
+
+    /// Deletes the three queues and the messages in them (a test's or a
+    /// demo's topology, at its end).
+    ///
+    /// # Errors
+    ///
+    /// [`AdapterError::Broker`] when RabbitMQ refuses a deletion.
+    pub async fn delete(&self, channel: &Channel) -> Result<(), AdapterError> {
+        for queue in [&self.queue, &self.retry_queue, &self.dead_letter_queue] {
+            channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        Ok(())
     }
 }
 

@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use idem_consumer::{Consumer, ConsumerConfig, HandlerError};
 use idem_engine::{Engine, Storage};
-use idem_rabbitmq::lapin::options::{
-    BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use idem_rabbitmq::lapin::options::{BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use idem_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use idem_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
 use idem_rabbitmq::{
@@ -116,15 +114,7 @@ impl Queues {
     }
 
     async fn delete(self) -> Result<()> {
-        for q in [
-            &self.topology.queue,
-            &self.topology.retry_queue,
-            &self.topology.dead_letter_queue,
-        ] {
-            self.producer
-                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                .await?;
-        }
+        self.topology.delete(&self.producer).await?;
         self.conn.close(200, "done".into()).await?;
         Ok(())
     }
