@@ -419,16 +419,18 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
         Err(invalid) => return Ok(Decision::Invalid(invalid)),
     };
     let key = &req.key;
-    let started = env.now();
-    let wait_until = match policy.in_progress {
-        InProgressMode::Wait(w) => Some(started.saturating_add(w.max_wait_ms)),
-        InProgressMode::Reject => None,
-    };
     // Read first: a replay then costs one read and no write lock.
     let mut current = env.get(key).map_err(store)?;
     let mut contention = 0;
+    // Set from the first round's clock reading: one call to the host's
+    // clock per round, which is one crossing of the component boundary.
+    let mut wait_until: Option<Option<Timestamp>> = None;
     loop {
         let now = env.now();
+        let wait_until = *wait_until.get_or_insert(match policy.in_progress {
+            InProgressMode::Wait(w) => Some(now.saturating_add(w.max_wait_ms)),
+            InProgressMode::Reject => None,
+        });
         let rec = match current.take() {
             Some(rec) => rec,
             None => match env

@@ -39,12 +39,9 @@ use postgres::{Client, NoTls, Statement};
 
 use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_json, to_u32,
-    to_u64,
+    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_u32, to_u64,
 };
-use idem_engine::types::{
-    Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
-};
+use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
     ActionResult, BeginRequest, Engine, Error, RunOutcome, Storage, StoreError, Ticket, Transaction,
 };
@@ -94,6 +91,15 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX idempotency_record_outcome_unknown
         ON {schema}.idempotency_record (biz_type, updated_at)
         WHERE status = 'outcome-unknown';"#,
+    // Version 2: byte strings in the `response` and `failure` JSON are
+    // base64 strings (`idem_engine::store::sql`). No row is rewritten:
+    // rows written by version 1, with arrays of numbers, are still read.
+    // The version number is what changes, so that a build that only knows
+    // version 1 refuses the schema instead of failing on the new rows.
+    r#"COMMENT ON COLUMN {schema}.idempotency_record.response IS
+        'JSON {status, headers: [[name, base64]], body: base64}; arrays of numbers before schema version 2';
+    COMMENT ON COLUMN {schema}.idempotency_record.failure IS
+        'JSON {code, message, response}; the response as in the response column';"#,
 ];
 
 /// The record columns in the order [`decode_row`] reads them.
@@ -1140,12 +1146,12 @@ impl<'a> EncodedRecord<'a> {
             response: record
                 .response
                 .as_ref()
-                .map(|r| to_json(r, "response"))
+                .map(columns::encode_response)
                 .transpose()?,
             failure: record
                 .failure
                 .as_ref()
-                .map(|f| to_json(f, "failure"))
+                .map(columns::encode_failure)
                 .transpose()?,
         })
     }
@@ -1203,19 +1209,6 @@ fn column<T: FromSqlOwned>(row: &postgres::Row, index: usize) -> Result<T, Store
     })
 }
 
-fn from_json<T: serde::de::DeserializeOwned>(
-    bytes: Option<Vec<u8>>,
-    column_name: &str,
-) -> Result<Option<T>, StoreError> {
-    bytes
-        .map(|b| {
-            serde_json::from_slice(&b).map_err(|e| {
-                StoreError::Internal(format!("column {column_name} cannot be decoded: {e}"))
-            })
-        })
-        .transpose()
-}
-
 /// Decodes one row selected with [`COLUMNS`].
 fn decode_row(row: &postgres::Row) -> Result<StoredRecord, StoreError> {
     let opt_u64 = |index: usize| -> Result<Option<u64>, StoreError> {
@@ -1248,8 +1241,8 @@ fn decode_row(row: &postgres::Row) -> Result<StoredRecord, StoreError> {
         updated_at: to_u64(column(row, 12)?, "updated_at")?,
         expires_at: opt_u64(13)?,
         result_ref,
-        response: from_json::<StoredResponse>(column(row, 15)?, "response")?,
-        failure: from_json::<Failure>(column(row, 16)?, "failure")?,
+        response: columns::decode_response(column::<Option<Vec<u8>>>(row, 15)?.as_deref())?,
+        failure: columns::decode_failure(column::<Option<Vec<u8>>>(row, 16)?.as_deref())?,
     })
 }
 

@@ -9,7 +9,7 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use idem_engine::testing::{BIZ, T0, candidate, insert, insert_with, key};
+use idem_engine::testing::{BIZ, T0, candidate, insert, insert_with, key, rich_record};
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome};
 use idem_engine::{Storage, StoreError};
 
@@ -372,10 +372,71 @@ fn pg_concurrent_connects_migrate_exactly_once() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, vec![1]);
+    assert_eq!(versions, vec![1, 2]);
     let r = insert(&stores[1], &candidate(key("k")));
     assert_eq!(stores[5].get(&key("k")).unwrap(), Some(r));
     assert_eq!(stores[0].schema(), t.name);
+}
+
+#[test]
+fn pg_rows_written_by_schema_version_1_are_read_after_the_upgrade() {
+    let Some(t) = TestSchema::new() else { return };
+    // A version-1 schema: a row whose byte strings are arrays of numbers
+    // (serde's JSON of the host types, as version 1 wrote), and version 2
+    // not applied.
+    let record = insert(&t.store(), &rich_record(key("k")));
+    let mut conn = raw(&t.url);
+    conn.execute(
+        &format!(
+            "UPDATE \"{}\".idempotency_record SET response = $1, failure = $2",
+            t.name
+        ),
+        &[
+            &serde_json::to_vec(&record.response).unwrap(),
+            &serde_json::to_vec(&record.failure).unwrap(),
+        ],
+    )
+    .unwrap();
+    conn.batch_execute(&format!(
+        "DELETE FROM \"{}\".idem_schema_version WHERE version = 2",
+        t.name
+    ))
+    .unwrap();
+    let store = t.store();
+    let versions: Vec<i32> = conn
+        .query(
+            &format!(
+                "SELECT version FROM \"{}\".idem_schema_version ORDER BY version",
+                t.name
+            ),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(versions, vec![1, 2]);
+    assert_eq!(store.get(&key("k")).unwrap(), Some(record.clone()));
+    // A write stores the new form, read back the same.
+    let mut next = record.clone();
+    next.revision += 1;
+    assert_eq!(
+        store.compare_and_swap(record.revision, &next).unwrap(),
+        SwapOutcome::Swapped
+    );
+    let column: Vec<u8> = conn
+        .query_one(
+            &format!("SELECT response FROM \"{}\".idempotency_record", t.name),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        column.starts_with(
+            br#"{"status":201,"headers":[["content-type","YXBwbGljYXRpb24vanNvbg=="]"#
+        )
+    );
+    assert_eq!(store.get(&key("k")).unwrap(), Some(next));
 }
 
 #[test]

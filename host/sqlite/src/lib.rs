@@ -25,12 +25,9 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, ToSql, TransactionBehavior};
 
 use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_json, to_u32,
-    to_u64,
+    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_u32, to_u64,
 };
-use idem_engine::types::{
-    Failure, InsertOutcome, RecordKey, Status, StoredRecord, StoredResponse, SwapOutcome, Timestamp,
-};
+use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
     ActionResult, BeginRequest, Engine, Error, RunOutcome, Storage, StoreError, Ticket, Transaction,
 };
@@ -71,6 +68,12 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX idempotency_record_outcome_unknown
         ON idempotency_record (biz_type, updated_at)
         WHERE status = 'outcome-unknown';",
+    // Version 2: byte strings in the `response` and `failure` JSON are
+    // base64 strings (`idem_engine::store::sql`). No row is rewritten:
+    // rows written by version 1, with arrays of numbers, are still read.
+    // The version number is what changes, so that a build that only knows
+    // version 1 refuses the database instead of failing on the new rows.
+    "-- byte strings in response and failure are base64 from here on",
 ];
 
 /// The record columns in the order [`decode_row`] reads them.
@@ -1019,8 +1022,9 @@ fn count_by_status(conn: &Connection) -> Result<Vec<(Status, u64)>, StoreError> 
 // Encoding and decoding.
 
 /// A record converted to SQLite values. Numbers above `i64::MAX` are
-/// rejected; `response` and `failure` are JSON of the host types (byte
-/// strings are JSON arrays of numbers, so the round trip is exact).
+/// rejected; `response` and `failure` are JSON, encoded by
+/// `idem_engine::store::sql` (byte strings as base64, so the round trip is
+/// exact).
 struct EncodedRecord<'a> {
     scope: &'a str,
     biz_type: &'a str,
@@ -1066,12 +1070,12 @@ impl<'a> EncodedRecord<'a> {
             response: record
                 .response
                 .as_ref()
-                .map(|r| to_json(r, "response"))
+                .map(columns::encode_response)
                 .transpose()?,
             failure: record
                 .failure
                 .as_ref()
-                .map(|f| to_json(f, "failure"))
+                .map(columns::encode_failure)
                 .transpose()?,
         })
     }
@@ -1114,19 +1118,6 @@ fn column_name(index: usize) -> &'static str {
     COLUMN_NAMES.get(index).copied().unwrap_or("?")
 }
 
-fn from_json<T: serde::de::DeserializeOwned>(
-    bytes: Option<Vec<u8>>,
-    column_name: &str,
-) -> Result<Option<T>, StoreError> {
-    bytes
-        .map(|b| {
-            serde_json::from_slice(&b).map_err(|e| {
-                StoreError::Internal(format!("column {column_name} cannot be decoded: {e}"))
-            })
-        })
-        .transpose()
-}
-
 /// Decodes one row selected with [`columns!`].
 fn decode_row(row: &rusqlite::Row<'_>) -> Result<StoredRecord, StoreError> {
     let opt_u64 = |index: usize| -> Result<Option<u64>, StoreError> {
@@ -1153,8 +1144,8 @@ fn decode_row(row: &rusqlite::Row<'_>) -> Result<StoredRecord, StoreError> {
         updated_at: to_u64(column(row, 12)?, "updated_at")?,
         expires_at: opt_u64(13)?,
         result_ref: column(row, 14)?,
-        response: from_json::<StoredResponse>(column(row, 15)?, "response")?,
-        failure: from_json::<Failure>(column(row, 16)?, "failure")?,
+        response: columns::decode_response(column::<Option<Vec<u8>>>(row, 15)?.as_deref())?,
+        failure: columns::decode_failure(column::<Option<Vec<u8>>>(row, 16)?.as_deref())?,
     })
 }
 

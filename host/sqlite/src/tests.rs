@@ -302,7 +302,7 @@ fn sqlite_fresh_file_migrations_race_safely() {
         let version: i64 = raw(&stores[0])
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(version, 1);
+        assert_eq!(version, 2);
         let r = insert(&stores[1], &candidate(key("k")));
         assert_eq!(stores[3].get(&key("k")).unwrap(), Some(r));
         assert!(stores[2].integrity_check().unwrap());
@@ -332,6 +332,54 @@ fn sqlite_reopen_keeps_records_and_schema() {
         .unwrap();
     assert_eq!(mode, "wal");
     assert!(store.integrity_check().unwrap());
+}
+
+#[test]
+fn sqlite_rows_written_by_schema_version_1_are_read_after_the_upgrade() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    // A version-1 database: a row whose byte strings are arrays of numbers
+    // (serde's JSON of the host types, as version 1 wrote), and the
+    // version number 1.
+    let record = insert(&sqlite_at(&path), &rich_record(key("k")));
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute(
+            "UPDATE idempotency_record SET response = ?1, failure = ?2",
+            rusqlite::params![
+                serde_json::to_vec(&record.response).unwrap(),
+                serde_json::to_vec(&record.failure).unwrap()
+            ],
+        )
+        .unwrap();
+        let legacy: Vec<u8> = conn
+            .query_row("SELECT response FROM idempotency_record", [], |r| r.get(0))
+            .unwrap();
+        assert!(legacy.starts_with(br#"{"status":201,"headers":[["content-type",[97,"#));
+        conn.execute_batch("PRAGMA user_version = 1").unwrap();
+    }
+    let store = sqlite_at(&path);
+    let version: i64 = raw(&store)
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 2);
+    assert_eq!(store.get(&key("k")).unwrap(), Some(record.clone()));
+    // A write stores the new form, read back the same.
+    let mut next = record.clone();
+    next.revision += 1;
+    assert_eq!(
+        store.compare_and_swap(record.revision, &next).unwrap(),
+        SwapOutcome::Swapped
+    );
+    let column: Vec<u8> = raw(&store)
+        .query_row("SELECT response FROM idempotency_record", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        column.starts_with(
+            br#"{"status":201,"headers":[["content-type","YXBwbGljYXRpb24vanNvbg=="]"#
+        )
+    );
+    assert_eq!(store.get(&key("k")).unwrap(), Some(next));
 }
 
 #[test]

@@ -7,7 +7,7 @@ import Database from "better-sqlite3";
 
 import { I64_MAX, StoreError } from "./host.js";
 
-/** Schema version 1, exactly as the Rust store creates it. */
+/** The schema versions, exactly as the Rust store creates them. */
 export const MIGRATIONS = [
   `CREATE TABLE idempotency_record (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -39,6 +39,11 @@ export const MIGRATIONS = [
     CREATE INDEX idempotency_record_outcome_unknown
         ON idempotency_record (biz_type, updated_at)
         WHERE status = 'outcome-unknown';`,
+  // Version 2: byte strings in the response and failure JSON are base64
+  // strings. No row is rewritten (version 1's arrays of numbers are still
+  // read); the number changes so that a build knowing only version 1
+  // refuses the file instead of failing on the new rows.
+  "-- byte strings in response and failure are base64 from here on",
 ];
 
 const COLUMNS = "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, "
@@ -98,8 +103,9 @@ function i64(v, field) {
 
 const optI64 = (v, field) => (v === undefined || v === null ? null : i64(v, field));
 
-// serde's JSON of the Rust types: byte strings are arrays of numbers.
-const responseJson = (r) => ({ status: r.status, headers: r.headers.map(([n, v]) => [n, Array.from(v)]), body: Array.from(r.body) });
+// The Rust store's JSON: byte strings are base64 (schema version 2).
+const b64 = (v) => Buffer.from(v.buffer, v.byteOffset, v.byteLength).toString("base64");
+const responseJson = (r) => ({ status: r.status, headers: r.headers.map(([n, v]) => [n, b64(v)]), body: b64(r.body) });
 const encodeResponse = (r) => (r === undefined || r === null ? null : Buffer.from(JSON.stringify(responseJson(r))));
 const encodeFailure = (f) => (f === undefined || f === null ? null
   : Buffer.from(JSON.stringify({ code: f.code, message: f.message, response: f.response ? responseJson(f.response) : null })));
@@ -112,9 +118,17 @@ function decodeJson(buf, column) {
   }
 }
 
+// Padded base64 of the standard alphabet, as the Rust store writes it.
+const BASE64 = /^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$/;
+
+/** A stored byte string: base64, or the array of numbers that schema version 1 wrote. */
 function bytesOf(v, column) {
+  if (typeof v === "string") {
+    if (!BASE64.test(v)) throw new StoreError("internal", `column ${column} cannot be decoded: invalid base64`);
+    return new Uint8Array(Buffer.from(v, "base64"));
+  }
   if (!Array.isArray(v) || v.some((x) => !Number.isInteger(x) || x < 0 || x > 255)) {
-    throw new StoreError("internal", `column ${column} cannot be decoded: expected an array of bytes`);
+    throw new StoreError("internal", `column ${column} cannot be decoded: expected a base64 string or an array of bytes`);
   }
   return Uint8Array.from(v);
 }

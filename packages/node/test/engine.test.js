@@ -243,12 +243,48 @@ test("a busy database is 'unavailable', not 'no record'", () => {
   assert.equal(idem.begin({ ...key("k"), body: {} }).decision, "execute");
 });
 
-test("the file has the Rust store's schema: version 1 and the unique index", () => {
+test("the file has the Rust store's schema: version 2 and the unique index", () => {
   const { store } = setup();
-  assert.equal(Number(store.db.pragma("user_version", { simple: true })), 1);
+  assert.equal(Number(store.db.pragma("user_version", { simple: true })), 2);
   const idx = store.db.prepare("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name").all().map((r) => r.name);
   assert.deepEqual(idx, ["idempotency_record_outcome_unknown", "idempotency_record_stale_processing", "idempotency_record_sweep", "sqlite_autoindex_idempotency_record_1"]);
   assert.equal(String(store.db.pragma("journal_mode", { simple: true })), "wal");
+});
+
+test("rows written by schema version 1 are read after the upgrade; new rows are base64", () => {
+  const { idem, path, clock, store } = setup();
+  const d = idem.begin({ ...key("k"), body: {} });
+  idem.complete(d.ticket, {}, { response: { status: 201, headers: [["x-bin", Uint8Array.of(0, 255)]], body: "body" } });
+  // Version 1 wrote byte strings as arrays of numbers.
+  const v1 = JSON.stringify({ status: 201, headers: [["x-bin", [0, 255]]], body: Array.from(Buffer.from("body")) });
+  store.db.prepare("UPDATE idempotency_record SET response = ?").run(Buffer.from(v1));
+  store.db.pragma("user_version = 1");
+  const upgraded = new SqliteStore(path);
+  assert.equal(Number(upgraded.db.pragma("user_version", { simple: true })), 2);
+  const r = new Idem({ store: upgraded, clock }).begin({ ...key("k"), body: {} });
+  assert.equal(r.decision, "replay");
+  assert.equal(r.response.status, 201);
+  assert.deepEqual(Array.from(r.response.headers[0][1]), [0, 255]);
+  assert.equal(r.response.body.toString(), "body");
+  const d2 = idem.begin({ ...key("k2"), body: {} });
+  idem.complete(d2.ticket, {}, { response: { status: 200, headers: [["x-bin", Uint8Array.of(255, 0, 128)]], body: "{}" } });
+  const column = store.db.prepare("SELECT response FROM idempotency_record WHERE idem_key = 'k2'").get().response;
+  assert.deepEqual(JSON.parse(column.toString()), { status: 200, headers: [["x-bin", "/wCA"]], body: "e30=" });
+});
+
+test("a column that is not a stored response is a store error naming it", () => {
+  const { idem, store } = setup();
+  const d = idem.begin({ ...key("k"), body: {} });
+  idem.complete(d.ticket, {}, { response: { status: 200, headers: [], body: "ok" } });
+  for (const [column, rule] of [
+    ['{"status":200,"headers":[],"body":"not base64!"}', /invalid base64/],
+    ['{"status":200,"headers":[],"body":[256]}', /a base64 string or an array of bytes/],
+    ['{"status":200,"headers":[],"body":7}', /a base64 string or an array of bytes/],
+  ]) {
+    store.db.prepare("UPDATE idempotency_record SET response = ?").run(Buffer.from(column));
+    assert.throws(() => idem.begin({ ...key("k"), body: {} }),
+      (e) => e instanceof EngineError && e.kind === "store" && /column response cannot be decoded/.test(e.message) && rule.test(e.message));
+  }
 });
 
 test("the business write and the completion commit together, or not at all", () => {

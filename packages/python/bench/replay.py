@@ -41,17 +41,13 @@ def measure(name, f, calls):
     return {"name": name, "ops_per_s": calls / total, "mean_us": mean, "p50_us": p50, "p99_us": p99}
 
 
-def idem_side(calls, body_bytes, decoded_cache=True):
-    """Replays of one key. With ``decoded_cache=False`` the store decodes
-    the stored response on every call, as on a key's first replay."""
+def idem_side(calls, body_bytes):
+    """Replays of one key: each reads the row and decodes the stored
+    response, as every replay does."""
     from idem import Idem, Response, SqliteStore
-    from idem.sqlite import ResponseCache
 
     path = os.path.join(tempfile.mkdtemp(prefix="idem-bench-"), "idem.db")
-    store = SqliteStore(path)
-    if not decoded_cache:
-        store._responses = ResponseCache(entries=0)
-    idem = Idem(store)
+    idem = Idem(SqliteStore(path))
     payload = json.dumps({"sku": "A1", "qty": 2, "note": "x" * max(0, body_bytes - 40)}).encode()
     stored = b"y" * body_bytes
     key = f"bench-{uuid.uuid4()}"
@@ -65,8 +61,7 @@ def idem_side(calls, body_bytes, decoded_cache=True):
         if r.decision != "replay":
             raise AssertionError(r)
 
-    label = "" if decoded_cache else ", no cache"
-    return measure(f"idem begin, replay ({len(payload)} B request, {body_bytes} B response{label})", replay, calls)
+    return measure(f"idem begin, replay ({len(payload)} B request, {body_bytes} B response)", replay, calls)
 
 
 def powertools_side(calls, body_bytes, url):
@@ -188,8 +183,6 @@ def main():
     a = ap.parse_args()
     print(f"python {sys.version.split()[0]}", flush=True)
     out = [idem_side(a.calls, 16), idem_side(a.calls, 1024)]
-    print("  without the store's decoded-response cache (every replay decodes, as a key's first does):", flush=True)
-    out += [idem_side(a.calls, 16, decoded_cache=False), idem_side(a.calls, 1024, decoded_cache=False)]
     try:
         out += [powertools_side(a.calls, 16, a.redis), powertools_side(a.calls, 1024, a.redis)]
     except ImportError as e:

@@ -214,11 +214,54 @@ def test_busy_database_is_unavailable(env):
 
 def test_schema_is_the_rust_stores(env):
     c = env.store.connection
-    assert c.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert c.execute("PRAGMA user_version").fetchone()[0] == 2
     names = [r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name")]
     assert names == ["idempotency_record_outcome_unknown", "idempotency_record_stale_processing",
                      "idempotency_record_sweep", "sqlite_autoindex_idempotency_record_1"]
     assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_rows_written_by_schema_version_1_are_read_after_the_upgrade(env):
+    import json
+    import sqlite3
+
+    d = env.idem.begin(S, B, "k", body={})
+    env.idem.complete(d.ticket, response=Response(201, [("x-bin", bytes([0, 255]))], b"body"))
+    # Version 1 wrote byte strings as arrays of numbers.
+    v1 = json.dumps({"status": 201, "headers": [["x-bin", [0, 255]]], "body": list(b"body")}).encode()
+    c = sqlite3.connect(env.path)
+    c.execute("UPDATE idempotency_record SET response = ?", (v1,))
+    c.execute("PRAGMA user_version = 1")
+    c.commit()
+    c.close()
+    store = SqliteStore(env.path)
+    assert store.connection.execute("PRAGMA user_version").fetchone()[0] == 2
+    r = Idem(store, clock=env.clock).begin(S, B, "k", body={})
+    assert r.decision == "replay" and r.response == Response(201, [("x-bin", bytes([0, 255]))], b"body")
+    # What this build writes: base64, as the Rust store.
+    d = env.idem.begin(S, B, "k2", body={})
+    env.idem.complete(d.ticket, response=Response(200, [("x-bin", bytes([255, 0, 128]))], b"{}"))
+    column = env.store.connection.execute(
+        "SELECT response FROM idempotency_record WHERE idem_key = 'k2'").fetchone()[0]
+    assert json.loads(column) == {"status": 200, "headers": [["x-bin", "/wCA"]], "body": "e30="}
+
+
+def test_a_column_that_is_not_a_stored_response_is_a_store_error_naming_it(env):
+    import sqlite3
+
+    d = env.idem.begin(S, B, "k", body={})
+    env.idem.complete(d.ticket, response=Response(200, [], b"ok"))
+    for column, rule in [(b'{"status":200,"headers":[],"body":"not base64!"}', "invalid base64"),
+                         (b'{"status":200,"headers":[],"body":[256]}', "column response"),
+                         (b'{"status":200,"headers":[],"body":7}', "a base64 string or an array of bytes")]:
+        c = sqlite3.connect(env.path)
+        c.execute("UPDATE idempotency_record SET response = ?", (column,))
+        c.commit()
+        c.close()
+        with pytest.raises(EngineError) as e:
+            env.idem.begin(S, B, "k", body={})
+        assert e.value.kind == "store" and "column response cannot be decoded" in str(e.value), str(e.value)
+        assert rule in str(e.value), str(e.value)
 
 
 def test_large_bodies_round_trip_exactly(env):
@@ -228,37 +271,6 @@ def test_large_bodies_round_trip_exactly(env):
     r = env.idem.begin(S, B, "big", body=body)
     assert r.response.body == body and r.response.headers == [("x-bin", bytes([0, 255, 10]))]
 
-
-
-def test_decoded_responses_are_cached_by_their_exact_bytes_and_never_shared(env):
-    import json
-
-    from idem.sqlite import ResponseCache, _decode_json, _response_of
-
-    def column(status, body):
-        return json.dumps({"status": status, "headers": [["x", [1, 2]]], "body": list(body)}).encode()
-
-    cache = ResponseCache(entries=3)
-    a, b = column(200, b"a"), column(201, b"b")
-    first = cache.response(a)
-    first.status, first.body = 500, b"changed"
-    first.headers.append(("y", b""))  # each call gets its own record: nothing leaks into the next
-    again = cache.response(a)
-    assert vars(again) == vars(_response_of(_decode_json(a, "response"), "response"))
-    assert again.status == 200 and again.headers == [("x", bytes([1, 2]))] and again.body == b"a"
-    assert cache.response(b).status == 201 and cache.response(a).status == 200
-    for i in range(10):
-        cache.response(column(300 + i, b"z"))
-    assert len(cache._parts) == 3  # bounded
-    assert cache.response(None) is None and cache.response(b"null") is None
-    # Through the store: two keys with the same response, each replayed as stored.
-    for key in ("k1", "k2"):
-        d = env.idem.begin(S, B, key, body={})
-        env.idem.complete(d.ticket, response=Response(200, [("x", b"1")], b"same"))
-    for _ in range(2):
-        for key in ("k1", "k2"):
-            r = env.idem.begin(S, B, key, body={})
-            assert r.decision == "replay" and r.response == Response(200, [("x", b"1")], b"same")
 
 
 def test_business_write_and_completion_commit_together(env):

@@ -1,10 +1,14 @@
 //! Conversions between the engine's record fields and SQL columns, for SQL
 //! backends: the SQLite and PostgreSQL backends use them, and both store
-//! integers as signed 64-bit values and encode outcomes as JSON. They name
+//! integers as signed 64-bit values and encode outcomes as JSON (the
+//! `response` and `failure` columns, below). They name
 //! the field or column in every error, as [`StoreError`]s.
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+
 use super::{StaleCursor, StoreError};
-use crate::types::Status;
+use crate::types::{Failure, Status, StoredResponse};
 
 /// `value` as a signed 64-bit column value; a larger value is refused
 /// ([`StoreError::Rejected`]), naming `field` and `limit` (what the
@@ -26,12 +30,6 @@ pub fn saturate(value: u64) -> i64 {
 /// is no cursor.
 pub fn cursor_values(after: Option<StaleCursor>) -> (i64, i64) {
     after.map_or((-1, -1), |c| (saturate(c.updated_at), saturate(c.id)))
-}
-
-/// `value` as the JSON bytes of a column; an error names `field`.
-pub fn to_json<T: serde::Serialize>(value: &T, field: &str) -> Result<Vec<u8>, StoreError> {
-    serde_json::to_vec(value)
-        .map_err(|e| StoreError::Internal(format!("cannot encode {field}: {e}")))
 }
 
 /// A column's signed value as the record's `u64`; a negative value is
@@ -124,6 +122,159 @@ impl<C> TransactionSlot<C> {
     }
 }
 
+// ---------------------------------------------------------------------------
+// The `response` and `failure` columns.
+//
+// Both are JSON: a response is `{"status", "headers": [[name, value]],
+// "body"}` and a failure `{"code", "message", "response"}`. Byte strings
+// (header values and bodies) are written as base64 strings (RFC 4648,
+// standard alphabet, padded): a third larger than the bytes, where the
+// arrays of numbers of schema version 1 were three to four times larger
+// and cost a parse per byte in every language's store. Both forms are
+// read, so rows written before version 2 still replay.
+
+/// A byte string in a column: written as base64, read from base64 or from
+/// the array of numbers that schema version 1 wrote.
+struct ColumnBytes(Vec<u8>);
+
+/// A byte string being written, borrowed from the record.
+struct ColumnBytesRef<'a>(&'a [u8]);
+
+impl serde::Serialize for ColumnBytesRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&BASE64.encode(self.0))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ColumnBytes {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = ColumnBytes;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a base64 string or an array of bytes")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ColumnBytes, E> {
+                BASE64
+                    .decode(v)
+                    .map(ColumnBytes)
+                    .map_err(|e| E::custom(format!("invalid base64: {e}")))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<ColumnBytes, A::Error> {
+                let mut bytes = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+                while let Some(b) = seq.next_element::<u8>()? {
+                    bytes.push(b);
+                }
+                Ok(ColumnBytes(bytes))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+#[derive(serde::Serialize)]
+struct ResponseOut<'a> {
+    status: u16,
+    headers: Vec<(&'a str, ColumnBytesRef<'a>)>,
+    body: ColumnBytesRef<'a>,
+}
+
+impl<'a> From<&'a StoredResponse> for ResponseOut<'a> {
+    fn from(r: &'a StoredResponse) -> Self {
+        Self {
+            status: r.status,
+            headers: r
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), ColumnBytesRef(v)))
+                .collect(),
+            body: ColumnBytesRef(&r.body),
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ResponseIn {
+    status: u16,
+    headers: Vec<(String, ColumnBytes)>,
+    body: ColumnBytes,
+}
+
+impl From<ResponseIn> for StoredResponse {
+    fn from(r: ResponseIn) -> Self {
+        Self {
+            status: r.status,
+            headers: r.headers.into_iter().map(|(n, v)| (n, v.0)).collect(),
+            body: r.body.0,
+        }
+    }
+}
+
+#[derive(serde::Serialize)]
+struct FailureOut<'a> {
+    code: &'a str,
+    message: &'a str,
+    response: Option<ResponseOut<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct FailureIn {
+    code: String,
+    message: String,
+    #[serde(default)]
+    response: Option<ResponseIn>,
+}
+
+fn encode<T: serde::Serialize>(value: &T, column: &str) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value)
+        .map_err(|e| StoreError::Internal(format!("cannot encode {column}: {e}")))
+}
+
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], column: &str) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| StoreError::Internal(format!("column {column} cannot be decoded: {e}")))
+}
+
+/// The `response` column's bytes for `response`.
+pub fn encode_response(response: &StoredResponse) -> Result<Vec<u8>, StoreError> {
+    encode(&ResponseOut::from(response), "response")
+}
+
+/// The `failure` column's bytes for `failure`.
+pub fn encode_failure(failure: &Failure) -> Result<Vec<u8>, StoreError> {
+    let out = FailureOut {
+        code: &failure.code,
+        message: &failure.message,
+        response: failure.response.as_ref().map(ResponseOut::from),
+    };
+    encode(&out, "failure")
+}
+
+/// A `response` column's value (`None` for SQL NULL); bytes that are not
+/// a stored response are [`StoreError::Internal`], naming the column.
+pub fn decode_response(column: Option<&[u8]>) -> Result<Option<StoredResponse>, StoreError> {
+    column
+        .map(|bytes| decode::<ResponseIn>(bytes, "response").map(StoredResponse::from))
+        .transpose()
+}
+
+/// A `failure` column's value (`None` for SQL NULL); bytes that are not a
+/// stored failure are [`StoreError::Internal`], naming the column.
+pub fn decode_failure(column: Option<&[u8]>) -> Result<Option<Failure>, StoreError> {
+    column
+        .map(|bytes| {
+            decode::<FailureIn>(bytes, "failure").map(|f| Failure {
+                code: f.code,
+                message: f.message,
+                response: f.response.map(StoredResponse::from),
+            })
+        })
+        .transpose()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,5 +306,106 @@ mod tests {
             matches!(slot.take_for_commit(), Err(StoreError::Internal(m)) if m.contains("rolled back"))
         );
         assert_eq!(slot.take_for_rollback(), Some(7));
+    }
+
+    fn response() -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: vec![
+                ("content-type".to_owned(), b"application/json".to_vec()),
+                ("x-binary".to_owned(), vec![0xff, 0x00, 0x80]),
+                ("x-empty".to_owned(), Vec::new()),
+            ],
+            body: (0..=255u8).collect(),
+        }
+    }
+
+    #[test]
+    fn byte_strings_are_written_as_base64() {
+        let column = encode_response(&response()).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&column).unwrap();
+        assert_eq!(json["status"], 201);
+        assert_eq!(json["headers"][0][1], "YXBwbGljYXRpb24vanNvbg==");
+        assert_eq!(json["headers"][1][1], "/wCA");
+        assert_eq!(json["headers"][2][1], "");
+        assert_eq!(json["body"], BASE64.encode((0..=255u8).collect::<Vec<_>>()));
+        assert_eq!(decode_response(Some(&column)).unwrap().unwrap(), response());
+        // A quarter of the bytes of schema version 1's arrays of numbers.
+        let version_1 = serde_json::to_vec(&response()).unwrap();
+        assert!(
+            column.len() * 2 < version_1.len(),
+            "{} {}",
+            column.len(),
+            version_1.len()
+        );
+    }
+
+    #[test]
+    fn failures_round_trip_with_and_without_a_response() {
+        for response in [None, Some(response())] {
+            let failure = Failure {
+                code: "card-declined".to_owned(),
+                message: "déclinée \u{0} \"quoted\"".to_owned(),
+                response,
+            };
+            let column = encode_failure(&failure).unwrap();
+            assert_eq!(decode_failure(Some(&column)).unwrap().unwrap(), failure);
+        }
+    }
+
+    #[test]
+    fn columns_written_by_schema_version_1_are_read() {
+        // Version 1 wrote serde's JSON of the host types: byte strings as
+        // arrays of numbers.
+        let version_1 = serde_json::to_vec(&response()).unwrap();
+        assert!(version_1.starts_with(br#"{"status":201,"headers":[["content-type",[97,"#));
+        assert_eq!(
+            decode_response(Some(&version_1)).unwrap().unwrap(),
+            response()
+        );
+        let failure = Failure {
+            code: "c".to_owned(),
+            message: "m".to_owned(),
+            response: Some(response()),
+        };
+        let version_1 = serde_json::to_vec(&failure).unwrap();
+        assert_eq!(decode_failure(Some(&version_1)).unwrap().unwrap(), failure);
+        // A failure without its `response` field is one without a response.
+        let bare = decode_failure(Some(br#"{"code":"c","message":"m"}"#)).unwrap();
+        assert_eq!(bare.unwrap().response, None);
+        assert_eq!(decode_failure(None), Ok(None));
+        assert_eq!(decode_response(None), Ok(None));
+    }
+
+    #[test]
+    fn a_column_that_is_not_a_stored_value_is_an_error_naming_it() {
+        for (bytes, rule) in [
+            (
+                &br#"{"status":200,"headers":[],"body":"not base64!"}"#[..],
+                "invalid base64",
+            ),
+            (br#"{"status":200,"headers":[],"body":[256]}"#, "256"),
+            (
+                br#"{"status":200,"headers":[],"body":7}"#,
+                "a base64 string or an array of bytes",
+            ),
+            (br#"{"status":200,"headers":[]}"#, "missing field `body`"),
+            (b"\xff", "expected value"),
+        ] {
+            match decode_response(Some(bytes)) {
+                Err(StoreError::Internal(m)) => {
+                    assert!(m.starts_with("column response cannot be decoded"), "{m}");
+                    assert!(m.contains(rule), "{m}");
+                }
+                other => panic!("expected Internal, got {other:?}"),
+            }
+        }
+        match decode_failure(Some(br#"{"code":"c"}"#)) {
+            Err(StoreError::Internal(m)) => {
+                assert!(m.starts_with("column failure cannot be decoded"), "{m}");
+                assert!(m.contains("message"), "{m}");
+            }
+            other => panic!("expected Internal, got {other:?}"),
+        }
     }
 }

@@ -5,6 +5,7 @@ processes in any of the languages may use one file at once."""
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import json
 import sqlite3
@@ -49,8 +50,13 @@ MIGRATIONS = [
     CREATE INDEX idempotency_record_outcome_unknown
         ON idempotency_record (biz_type, updated_at)
         WHERE status = 'outcome-unknown';""",
+    # Version 2: byte strings in the response and failure JSON are base64
+    # strings. No row is rewritten (version 1's arrays of numbers are still
+    # read); the number changes so that a build knowing only version 1
+    # refuses the file instead of failing on the new rows.
+    "-- byte strings in response and failure are base64 from here on",
 ]
-"""Schema version 1, exactly as the Rust store creates it."""
+"""The schema versions, exactly as the Rust store creates them."""
 
 COLUMNS = ("id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, "
            "fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, "
@@ -110,9 +116,13 @@ def _opt_i64(v: int | None, field: str) -> int | None:
     return None if v is None else _i64(v, field)
 
 
+def _b64(b: bytes) -> str:
+    return binascii.b2a_base64(b, newline=False).decode("ascii")
+
+
 def _response_json(r: Any) -> dict[str, Any]:
-    # serde's JSON of the Rust types: byte strings are arrays of numbers.
-    return {"status": r.status, "headers": [[n, list(v)] for n, v in r.headers], "body": list(r.body)}
+    # The Rust store's JSON: byte strings are base64 (schema version 2).
+    return {"status": r.status, "headers": [[n, _b64(v)] for n, v in r.headers], "body": _b64(r.body)}
 
 
 def _encode_response(r: Any) -> bytes | None:
@@ -134,13 +144,22 @@ def _decode_json(b: bytes, column: str) -> Any:
 
 
 def _bytes_of(v: Any, column: str) -> bytes:
-    try:
-        return bytes(v)
-    except (TypeError, ValueError) as e:
-        raise StoreError("internal", f"column {column} cannot be decoded: expected an array of bytes") from e
+    """A stored byte string: base64, or the array of numbers that schema
+    version 1 wrote."""
+    if isinstance(v, str):
+        try:
+            return binascii.a2b_base64(v, strict_mode=True)
+        except (binascii.Error, ValueError) as e:
+            raise StoreError("internal", f"column {column} cannot be decoded: invalid base64: {e}") from e
+    if isinstance(v, list):
+        try:
+            return bytes(v)
+        except (TypeError, ValueError) as e:
+            raise StoreError("internal", f"column {column} cannot be decoded: {e}") from e
+    raise StoreError("internal", f"column {column} cannot be decoded: expected a base64 string or an array of bytes")
 
 
-def _response_parts(j: Any, column: str) -> tuple | None:
+def _response_of(j: Any, column: str) -> Record | None:
     if j is None:
         return None
     if not isinstance(j, dict) or not isinstance(j.get("status"), int) or not isinstance(j.get("headers"), list):
@@ -150,56 +169,7 @@ def _response_parts(j: Any, column: str) -> tuple | None:
         if not (isinstance(h, list) and len(h) == 2 and isinstance(h[0], str)):
             raise StoreError("internal", f"column {column} cannot be decoded: a header is not a [name, bytes] pair")
         headers.append((h[0], _bytes_of(h[1], column)))
-    return j["status"], tuple(headers), _bytes_of(j.get("body"), column)
-
-
-def _response_record(parts: tuple | None) -> Record | None:
-    if parts is None:
-        return None
-    status, headers, body = parts
-    return record(status=status, headers=list(headers), body=body)
-
-
-def _response_of(j: Any, column: str) -> Record | None:
-    return _response_record(_response_parts(j, column))
-
-
-class ResponseCache:
-    """Decoded `response` columns, by their exact bytes.
-
-    A stored response is JSON whose byte strings are arrays of numbers (the
-    Rust store's format, which every store reads and writes), and decoding
-    one number at a time is most of a replay's cost in the store: about
-    45 us for a 1 KiB body. A replayed key is usually replayed more than
-    once, with the same column bytes: those are decoded once. The row is
-    still read on every call, and a changed column is different bytes,
-    decoded again; what is kept is immutable (the status, the header pairs,
-    the body's bytes) and each call gets its own record. Bounded: at most
-    ``entries`` columns of at most ``max_bytes`` each, the oldest dropped
-    first; ``entries=0`` turns it off."""
-
-    def __init__(self, entries: int = 64, max_bytes: int = 65536):
-        self.entries = entries
-        self.max_bytes = max_bytes
-        self._parts: dict[Any, tuple | None] = {}
-
-    def response(self, column: Any) -> Record | None:
-        if column is None:
-            return None
-        if self.entries <= 0 or len(column) > self.max_bytes:
-            return _response_of(_decode_json(column, "response"), "response")
-        parts = self._parts.get(column)
-        if parts is None:
-            parts = _response_parts(_decode_json(column, "response"), "response")
-            if parts is None:  # the JSON `null`: not kept
-                return None
-            if len(self._parts) >= self.entries:
-                del self._parts[next(iter(self._parts))]
-            self._parts[column] = parts
-        return _response_record(parts)
-
-
-_NO_CACHE = ResponseCache(entries=0)
+    return record(status=j["status"], headers=headers, body=_bytes_of(j.get("body"), column))
 
 
 def _u64(v: Any, column: str) -> int:
@@ -214,9 +184,8 @@ def _u32(v: Any, column: str) -> int:
     return v
 
 
-def decode_row(r: tuple, responses: ResponseCache = _NO_CACHE) -> Record:
-    """One row selected with COLUMNS as a component `stored-record`;
-    `responses` decodes the response column."""
+def decode_row(r: tuple) -> Record:
+    """One row selected with COLUMNS as a component `stored-record`."""
     (id_, scope, biz, idem_key, fp, fpv, status, token, rev, attempts, lease, created, updated, expires,
      result_ref, response, failure) = r
     if status not in STATUSES:
@@ -241,7 +210,7 @@ def decode_row(r: tuple, responses: ResponseCache = _NO_CACHE) -> Record:
         updated_at=_u64(updated, "updated_at"),
         expires_at=None if expires is None else _u64(expires, "expires_at"),
         result_ref=result_ref,
-        response=responses.response(response),
+        response=None if response is None else _response_of(_decode_json(response, "response"), "response"),
         failure=fail,
     )
 
@@ -278,7 +247,6 @@ class SqliteStore:
         self.path = path
         self._lock = threading.RLock()
         # Used under self._lock (every read and write holds it).
-        self._responses = ResponseCache()
         self._depth = 0
         try:
             self.connection = sqlite3.connect(path, timeout=busy_timeout_ms / 1000, isolation_level=None,
@@ -376,7 +344,7 @@ class SqliteStore:
 
     def _get(self, c: sqlite3.Connection, key: Any) -> Record | None:
         row = c.execute(SQL_GET, (key.scope, get(key, "biz-type"), get(key, "idem-key"))).fetchone()
-        return None if row is None else decode_row(row, self._responses)
+        return None if row is None else decode_row(row)
 
     def insert_if_absent(self, candidate: Any) -> Variant:
         """`store.insert-if-absent`: decided by the unique index, atomically."""
@@ -419,7 +387,7 @@ class SqliteStore:
 
     def list_stale(self, biz_type: str, now: int, limit: int) -> list[Record]:
         """`store.list-stale`, oldest `updated_at` first."""
-        return self._read(lambda c: [decode_row(r, self._responses) for r in c.execute(SQL_LIST_STALE, (biz_type, min(now, I64_MAX), limit))])
+        return self._read(lambda c: [decode_row(r) for r in c.execute(SQL_LIST_STALE, (biz_type, min(now, I64_MAX), limit))])
 
     def count(self) -> int:
         """How many records the file holds."""
