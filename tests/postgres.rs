@@ -397,8 +397,8 @@ fn fingerprint_of(req: &BeginRequest) -> Result<(String, u32)> {
     Ok((status.fingerprint, status.fingerprint_version))
 }
 
-/// Waits until a backend named `app` waits for a lock, then kills it.
-fn kill_when_waiting(admin: &mut postgres::Client, app: &str) -> Result<()> {
+/// Waits until a backend named `app` waits for a lock.
+fn wait_for_lock_wait(admin: &mut postgres::Client, app: &str) -> Result<()> {
     let deadline = Instant::now() + SETTLE;
     loop {
         let waiting: i64 = admin
@@ -409,7 +409,7 @@ fn kill_when_waiting(admin: &mut postgres::Client, app: &str) -> Result<()> {
             )?
             .get(0);
         if waiting > 0 {
-            break;
+            return Ok(());
         }
         ensure!(
             Instant::now() < deadline,
@@ -417,6 +417,11 @@ fn kill_when_waiting(admin: &mut postgres::Client, app: &str) -> Result<()> {
         );
         std::thread::yield_now();
     }
+}
+
+/// Waits until a backend named `app` waits for a lock, then kills it.
+fn kill_when_waiting(admin: &mut postgres::Client, app: &str) -> Result<()> {
+    wait_for_lock_wait(admin, app)?;
     ensure!(kill_backends(admin, app)? == 1);
     Ok(())
 }
@@ -680,6 +685,98 @@ fn run_in_transaction_rolls_back_a_failed_action_and_stores_the_failure() -> Res
         Decision::Failed(f) => ensure!(f == declined, "{f:?}"),
         other => bail!("expected the stored failure, got {other:?}"),
     }
+    Ok(())
+}
+
+#[test]
+fn one_transaction_commits_once_replays_and_stores_a_failure_after_an_aborted_statement()
+-> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let (engine, _store, _clock) = engine_on(&schema, &unique_name("idem_one_tx"))?;
+    let table = orders_table(&schema)?;
+    let insert = format!("INSERT INTO {table} (idem_key, worker) VALUES ($1, 'test')");
+    let req = request("k1", BODY);
+    let run = |req: &BeginRequest, fail_after_write: bool| {
+        PgRun::run_in_one_transaction(&engine, req, |_, client| {
+            if let Err(e) = client.execute(&insert, &[&req.key.idem_key]) {
+                return ActionResult::retryable("db", e);
+            }
+            if fail_after_write {
+                // A failed statement aborts the transaction.
+                let e = client.execute("SELECT 1/0", &[]).err();
+                return ActionResult::Failed(
+                    Failure {
+                        code: "declined".into(),
+                        message: format!("{e:?}"),
+                        response: None,
+                    },
+                    Disposition::Final,
+                );
+            }
+            ActionResult::Succeeded(Success::with_ref("order-1"))
+        })
+    };
+    ensure!(matches!(run(&req, false)?, RunOutcome::Executed { .. }));
+    match run(&req, false)? {
+        RunOutcome::NotExecuted(Decision::Replay(r)) => {
+            ensure!(r.result_ref.as_deref() == Some("order-1"), "{r:?}")
+        }
+        other => bail!("expected a replay, got {other:?}"),
+    }
+    ensure!(orders_of(&schema, &table, "k1")? == 1, "one business row");
+    let req2 = request("k2", BODY);
+    ensure!(matches!(run(&req2, true)?, RunOutcome::Executed { .. }));
+    ensure!(
+        orders_of(&schema, &table, "k2")? == 0,
+        "the failed action's row is gone"
+    );
+    match engine.begin(&req2)? {
+        Decision::Failed(f) => ensure!(f.code == "declined", "{f:?}"),
+        other => bail!("expected the stored failure, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn one_transaction_on_postgres_a_duplicate_host_waits_and_replays() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let (engine, _store, _clock) = engine_on(&schema, &unique_name("idem_one_tx_a"))?;
+    let app = unique_name("idem_one_tx_b");
+    let (other, _other_store, _other_clock) = engine_on(&schema, &app)?;
+    let table = orders_table(&schema)?;
+    let insert = format!("INSERT INTO {table} (idem_key, worker) VALUES ($1, 'test')");
+    let req = request("k1", BODY);
+    let (inside, entered) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let first = std::thread::scope(|scope| -> Result<RunOutcome> {
+        let (engine, req, insert) = (&engine, &req, &insert);
+        let first = scope.spawn(move || {
+            PgRun::run_in_one_transaction(engine, req, |_, client| {
+                client
+                    .execute(insert.as_str(), &[&req.key.idem_key])
+                    .expect("write");
+                inside.send(()).expect("the test waits");
+                released.recv().expect("the test releases");
+                ActionResult::Succeeded(Success::with_ref("order-1"))
+            })
+        });
+        entered.recv_timeout(SETTLE)?;
+        // The other host's claim waits on the uncommitted key, then replays.
+        let duplicate = scope.spawn(|| other.begin(req));
+        wait_for_lock_wait(&mut schema.raw()?, &app)?;
+        release.send(())?;
+        match duplicate.join().expect("duplicate")? {
+            Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("order-1"), "{r:?}"),
+            d => bail!("expected a replay, got {d:?}"),
+        }
+        Ok(first.join().expect("first")?)
+    })?;
+    ensure!(matches!(first, RunOutcome::Executed { .. }), "{first:?}");
+    ensure!(orders_of(&schema, &table, "k1")? == 1);
     Ok(())
 }
 

@@ -174,3 +174,32 @@ fn killed_inside_business_transaction_leaves_nothing_half_written() -> Result<()
     ));
     Ok(())
 }
+
+#[test]
+fn killed_inside_one_transaction_leaves_no_claim_to_wait_out() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = dir.path().join("idem.db");
+    ensure!(kill_holder(db.to_str().context("path")?, "k1", "one-tx")? == "holding true");
+    let store = SqliteStore::open(&db, options::sqlite_options())?;
+    ensure!(store.integrity_check()?, "integrity_check after SIGKILL");
+    ensure!(
+        orders(&db, "k1")? == 0,
+        "the uncommitted business write is gone"
+    );
+    // The claim went with it: at the same instant, under the policy that
+    // never executes an abandoned key again, the key is free, and its
+    // first attempt runs.
+    let engine = Engine::builder()
+        .storage(store)
+        .clock(ManualClock::new(T0))
+        .build()?;
+    let policy = Policy {
+        expired_lease: ExpiredLease::Manual,
+        ..Policy::default()
+    };
+    let Decision::Execute(t) = engine.begin(&request("k1", &policy))? else {
+        bail!("the killed transaction left a claim behind");
+    };
+    ensure!(t.attempt == 1 && t.fencing_token == 1, "{t:?}");
+    Ok(())
+}

@@ -10,6 +10,8 @@
 //!                      "holding", block (the crash between business write and status update)
 //!     mode = in-tx:    claim, write the business row inside the business transaction,
 //!                      print "holding", block before it commits
+//!     mode = one-tx:   claim and write the business row in one transaction
+//!                      (`run_in_one_transaction`), print "holding", block before it commits
 //! idem-test-worker hold-pg <url> <schema> <key> <now>
 //!     claim the key on PostgreSQL (the store's schema), write a row into
 //!     <schema>.orders inside the business transaction (`run_in_transaction`),
@@ -139,16 +141,21 @@ fn main() -> Result<()> {
                     std::io::stdout().flush()?;
                     block_forever();
                 }
-                "in-tx" => {
-                    engine.run_in_transaction(&req, |_, conn| {
+                "in-tx" | "one-tx" => {
+                    let action = |_: &Ticket, conn: &rusqlite::Connection| -> ActionResult {
                         let wrote = conn.execute(
                             "INSERT INTO orders (idem_key, worker) VALUES (?1, ?2)",
                             (k, &me),
                         );
                         println!("holding {}", wrote.is_ok());
                         let _ = std::io::stdout().flush();
-                        block_forever();
-                    })?;
+                        block_forever()
+                    };
+                    if *mode == "in-tx" {
+                        engine.run_in_transaction(&req, action)?;
+                    } else {
+                        engine.run_in_one_transaction(&req, action)?;
+                    }
                 }
                 other => bail!("unknown mode {other}"),
             }

@@ -1,8 +1,9 @@
 //! `idem-test-worker rabbit-consume <queue> <db> <lease_ms>`: a RabbitMQ
 //! consumer process for `tests/rabbitmq_kill.rs`. It consumes `queue`
 //! through idem on `db` (a [`Business`]), writing each
-//! message's business effect (an `orders` row) in the same transaction as
-//! its idempotency record (`run_in_transaction`), slowly enough that a
+//! message's business effect (an `orders` row) in one transaction with
+//! its claim and its outcome (`run_in_one_transaction`; the JetStream
+//! worker claims first, `run_in_transaction`), slowly enough that a
 //! SIGKILL lands mid-message. Prints "ready" once it consumes.
 
 use std::time::Duration;
@@ -88,33 +89,49 @@ impl Business {
     }
 
     /// Handles message `id`: its `orders` row written in the same
-    /// transaction as its idempotency record, [`STEP`] before and after.
+    /// transaction as its idempotency record's outcome, [`STEP`] before
+    /// and after. With `one_transaction` the claim is in that transaction
+    /// too (`run_in_one_transaction`); without, it commits first
+    /// (`run_in_transaction`).
     pub fn handle(
         &self,
         id: &str,
         engine: &Engine,
         request: &idem::BeginRequest,
         budget: idem_consumer::RetryBudget,
+        one_transaction: bool,
     ) -> Result<idem::RunOutcome, idem::Error> {
-        let (insert, me) = (&self.insert, &self.me);
-        if self.on_postgres {
-            idem::postgres::RunInTransaction::run_in_transaction(
-                engine,
-                request,
-                |ticket, client| {
-                    std::thread::sleep(STEP);
-                    let written = client.execute(insert, &[&id, me]);
-                    std::thread::sleep(STEP);
-                    effect(id, ticket, budget, written.map(|n| n as usize))
-                },
-            )
-        } else {
-            engine.run_in_transaction(request, |ticket, conn| {
+        use idem::postgres::RunInTransaction as Pg;
+        let (insert, me) = (self.insert.as_str(), self.me.as_str());
+        match (self.on_postgres, one_transaction) {
+            (true, true) => Pg::run_in_one_transaction(engine, request, |ticket, client| {
                 std::thread::sleep(STEP);
-                let written = conn.execute(insert, [id, me]);
+                let written = client.execute(insert, &[&id, &me]);
                 std::thread::sleep(STEP);
-                effect(id, ticket, budget, written)
-            })
+                effect(id, ticket, budget, written.map(|n| n as usize))
+            }),
+            (true, false) => Pg::run_in_transaction(engine, request, |ticket, client| {
+                std::thread::sleep(STEP);
+                let written = client.execute(insert, &[&id, &me]);
+                std::thread::sleep(STEP);
+                effect(id, ticket, budget, written.map(|n| n as usize))
+            }),
+            (false, true) => {
+                RunInTransaction::run_in_one_transaction(engine, request, |ticket, conn| {
+                    std::thread::sleep(STEP);
+                    let written = conn.execute(insert, [id, me]);
+                    std::thread::sleep(STEP);
+                    effect(id, ticket, budget, written)
+                })
+            }
+            (false, false) => {
+                RunInTransaction::run_in_transaction(engine, request, |ticket, conn| {
+                    std::thread::sleep(STEP);
+                    let written = conn.execute(insert, [id, me]);
+                    std::thread::sleep(STEP);
+                    effect(id, ticket, budget, written)
+                })
+            }
         }
     }
 }
@@ -140,7 +157,7 @@ pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
         rabbit
             .run_blocking(
                 move |incoming, engine, request, budget| {
-                    business.handle(incoming.id.as_str(), engine, request, budget)
+                    business.handle(incoming.id.as_str(), engine, request, budget, true)
                 },
                 std::future::pending(),
             )

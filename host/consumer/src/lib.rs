@@ -24,7 +24,9 @@
 //!
 //! The handler's business write and the transition to succeeded can commit
 //! together with [`Consumer::handle_blocking`] and a store's
-//! `run_in_transaction` (SQLite, PostgreSQL).
+//! `run_in_transaction` (SQLite, PostgreSQL); with `run_in_one_transaction`
+//! the claim commits with them, so a consumer killed mid-message leaves
+//! nothing for the redelivery to wait out.
 
 #![warn(missing_docs)]
 

@@ -941,7 +941,26 @@ impl Transaction for PostgresTransaction {
     fn rollback(self) -> Result<(), StoreError> {
         PostgresTransaction::rollback(self)
     }
+
+    fn savepoint(&self) -> Result<(), StoreError> {
+        self.run(|c| c.client.batch_execute(SQL_SAVEPOINT).map_err(map_err))
+    }
+
+    /// Also ends the "aborted" state a failed statement after the
+    /// savepoint left the transaction in.
+    fn rollback_to_savepoint(&self) -> Result<(), StoreError> {
+        self.run(|c| {
+            c.client
+                .batch_execute(SQL_ROLLBACK_TO_SAVEPOINT)
+                .map_err(map_err)
+        })
+    }
 }
+
+/// The savepoint of [`Transaction::savepoint`]: one name, so a second one
+/// nests, and a rollback returns to the latest.
+const SQL_SAVEPOINT: &str = "SAVEPOINT idem_action";
+const SQL_ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_action";
 
 storage_over!(PostgresTransaction, run);
 
@@ -965,6 +984,29 @@ pub trait RunInTransaction {
         request: &BeginRequest,
         action: impl FnOnce(&Ticket, &mut Client) -> ActionResult,
     ) -> Result<RunOutcome, Error>;
+
+    /// Like [`RunInTransaction::run_in_transaction`], with the claim in
+    /// the same PostgreSQL transaction ([`Engine::run_with_one_transaction`]):
+    /// one commit per execution, and a crash leaves no processing record
+    /// to wait out. A duplicate's claim waits for the transaction (it
+    /// holds the key's index entry) and then replays; so keep the action
+    /// short.
+    ///
+    /// # Errors
+    ///
+    /// As [`RunInTransaction::run_in_transaction`].
+    fn run_in_one_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &mut Client) -> ActionResult,
+    ) -> Result<RunOutcome, Error>;
+}
+
+/// The engine's own store, for its business transactions.
+fn own_store(engine: &Engine) -> Result<&PostgresStore, Error> {
+    engine
+        .storage::<PostgresStore>()
+        .ok_or(Error::WrongStorage("a PostgresStore"))
 }
 
 impl RunInTransaction for Engine {
@@ -973,10 +1015,21 @@ impl RunInTransaction for Engine {
         request: &BeginRequest,
         action: impl FnOnce(&Ticket, &mut Client) -> ActionResult,
     ) -> Result<RunOutcome, Error> {
-        let store = self
-            .storage::<PostgresStore>()
-            .ok_or(Error::WrongStorage("a PostgresStore"))?;
+        let store = own_store(self)?;
         self.run_with_transaction(
+            request,
+            || store.begin_transaction(),
+            |ticket, tx| tx.with_connection(|client| action(ticket, client)),
+        )
+    }
+
+    fn run_in_one_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &mut Client) -> ActionResult,
+    ) -> Result<RunOutcome, Error> {
+        let store = own_store(self)?;
+        self.run_with_one_transaction(
             request,
             || store.begin_transaction(),
             |ticket, tx| tx.with_connection(|client| action(ticket, client)),

@@ -874,6 +874,33 @@ fn pg_transaction_commit_leaves_both_writes_and_rollback_neither() {
 }
 
 #[test]
+fn pg_rollback_to_savepoint_undoes_only_what_came_after_it_even_an_aborted_statement() {
+    use idem_engine::Transaction as _;
+    let Some(t) = TestSchema::new() else { return };
+    let store = t.store();
+    let orders = orders_table(&t);
+    let tx = store.begin_transaction().unwrap();
+    let claim = insert(&tx, &candidate(key("k")));
+    tx.savepoint().unwrap();
+    tx.with_connection(|c| c.execute(&format!("INSERT INTO {orders} VALUES ('o-1', 100)"), &[]))
+        .unwrap()
+        .unwrap();
+    // A failed statement aborts a PostgreSQL transaction; the rollback to
+    // the savepoint makes it usable again.
+    assert!(
+        tx.with_connection(|c| c.execute("SELECT 1/0", &[]))
+            .unwrap()
+            .is_err()
+    );
+    tx.rollback_to_savepoint().unwrap();
+    let done = succeeded(&claim);
+    assert_eq!(tx.compare_and_swap(1, &done).unwrap(), SwapOutcome::Swapped);
+    tx.commit().unwrap();
+    assert_eq!(store.get(&key("k")).unwrap(), Some(done));
+    assert_eq!(order_count(&t, &orders), 0);
+}
+
+#[test]
 fn pg_dropped_transaction_rolls_back_and_frees_the_connection() {
     let Some(t) = TestSchema::new() else { return };
     let store = PostgresStore::connect(

@@ -15,6 +15,7 @@ use futures_lite::StreamExt;
 use idem_consumer::{Consumer, ConsumerConfig};
 use idem_engine::Engine;
 use idem_engine::testing::{cpu_time_us, find_process};
+use idem_engine::{ActionResult, BeginRequest, Success};
 use idem_rabbitmq::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -23,7 +24,7 @@ use idem_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
 use idem_rabbitmq::{
     DEFAULT_PREFETCH, Incoming, Options, RabbitConsumer, Stats, Topology, publish,
 };
-use idem_sqlite::{SqliteOptions, SqliteStore};
+use idem_sqlite::{RunInTransaction, SqliteOptions, SqliteStore};
 
 /// The issue's measure point; `--consumers N` changes it.
 const DEFAULT_CONSUMERS: usize = 4;
@@ -58,8 +59,8 @@ async fn main() -> Result<()> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
 
-    let bare = run("bare", &conn, &producer, messages, consumers, false).await?;
-    let idem = run("idem", &conn, &producer, messages, consumers, true).await?;
+    let bare = run("bare", &conn, &producer, messages, consumers, Mode::Bare).await?;
+    let idem = run("idem", &conn, &producer, messages, consumers, Mode::Idem).await?;
     println!(
         "rabbitmq, {consumers} consumers, {messages} messages: bare {:.0} msg/s (p99 {:?}), \
          idem on SQLite {:.0} msg/s (p99 {:?}), ratio {:.2}",
@@ -73,7 +74,56 @@ async fn main() -> Result<()> {
         "  CPU per message: consumer process bare {:.1} us, idem {:.1} us; broker (beam.smp) bare {:.1} us, idem {:.1} us",
         bare.cpu_us, idem.cpu_us, bare.broker_cpu_us, idem.broker_cpu_us
     );
+    // With a business row per message, written with the outcome: the claim
+    // committed first, or everything in one transaction.
+    let first = run(
+        "claim-first",
+        &conn,
+        &producer,
+        messages,
+        consumers,
+        Mode::ClaimFirst,
+    )
+    .await?;
+    let one = run(
+        "one-tx",
+        &conn,
+        &producer,
+        messages,
+        consumers,
+        Mode::OneTransaction,
+    )
+    .await?;
+    println!(
+        "  with a business row per message: claim first (run_in_transaction) {:.0} msg/s (p99 {:?}, ratio {:.2}, \
+         consumer CPU {:.1} us), one transaction (run_in_one_transaction) {:.0} msg/s (p99 {:?}, ratio {:.2}, \
+         consumer CPU {:.1} us); one transaction / claim first {:.2}",
+        first.rate,
+        first.p99,
+        first.rate / bare.rate,
+        first.cpu_us,
+        one.rate,
+        one.p99,
+        one.rate / bare.rate,
+        one.cpu_us,
+        one.rate / first.rate
+    );
     Ok(())
+}
+
+/// What the consumers do with each delivery.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Ack it, without idem.
+    Bare,
+    /// `RabbitConsumer::run` with a handler that does nothing.
+    Idem,
+    /// `run_blocking` with `run_in_transaction`: the claim commits, then an
+    /// `orders` row and the outcome commit together.
+    ClaimFirst,
+    /// `run_blocking` with `run_in_one_transaction`: the claim, the row and
+    /// the outcome commit together.
+    OneTransaction,
 }
 
 /// One run's figures.
@@ -96,7 +146,7 @@ async fn run(
     producer: &Channel,
     messages: usize,
     consumers: usize,
-    with_idem: bool,
+    mode: Mode,
 ) -> Result<Figures> {
     let queue = format!("idem-bench-{name}-{}", std::process::id());
     let topology = Topology::declare(producer, &queue).await?;
@@ -117,6 +167,9 @@ async fn run(
             ..SqliteOptions::default()
         },
     )?;
+    let tx = store.begin_transaction()?;
+    tx.with_connection(|c| c.execute_batch("CREATE TABLE orders (idem_key TEXT NOT NULL)"))??;
+    tx.commit()?;
     let latencies: Latencies = Arc::default();
     let broker = find_process("beam");
     let broker_cpu = || broker.as_deref().map_or(Ok(0.0), cpu_time_us);
@@ -132,7 +185,7 @@ async fn run(
         let shutdown = async move {
             let _ = stopped.wait_for(|s| *s).await;
         };
-        if with_idem {
+        if mode != Mode::Bare {
             let engine = Engine::builder().storage(store.clone()).build()?;
             let consumer = Consumer::new(engine, ConsumerConfig::new("bench"));
             let options = Options {
@@ -144,13 +197,35 @@ async fn run(
             let rabbit = RabbitConsumer::new(channel, topology.clone(), consumer, options).await?;
             stats.push(rabbit.stats());
             tasks.push(tokio::spawn(async move {
-                rabbit
-                    .run(
-                        |_m: Incoming| async { Ok::<_, idem_consumer::HandlerError>("done") },
-                        shutdown,
-                    )
-                    .await
-                    .map_err(anyhow::Error::from)
+                let write = |id: &str, conn: &rusqlite::Connection| match conn
+                    .execute("INSERT INTO orders VALUES (?1)", [id])
+                {
+                    Ok(_) => ActionResult::Succeeded(Success::with_ref(id)),
+                    Err(e) => ActionResult::retryable("db", e),
+                };
+                if mode == Mode::Idem {
+                    rabbit
+                        .run(
+                            |_m: Incoming| async { Ok::<_, idem_consumer::HandlerError>("done") },
+                            shutdown,
+                        )
+                        .await
+                } else {
+                    let one = mode == Mode::OneTransaction;
+                    rabbit
+                        .run_blocking(
+                            move |m: Incoming, engine: &Engine, request: &BeginRequest, _| {
+                                if one {
+                                    engine.run_in_one_transaction(request, |_, c| write(&m.id, c))
+                                } else {
+                                    engine.run_in_transaction(request, |_, c| write(&m.id, c))
+                                }
+                            },
+                            shutdown,
+                        )
+                        .await
+                }
+                .map_err(anyhow::Error::from)
             }));
         } else {
             let queue = queue.clone();

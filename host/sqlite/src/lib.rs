@@ -757,7 +757,20 @@ impl Transaction for SqliteTransaction {
     fn rollback(self) -> Result<(), StoreError> {
         SqliteTransaction::rollback(self)
     }
+
+    fn savepoint(&self) -> Result<(), StoreError> {
+        self.run(|conn| run_statement(conn, SQL_SAVEPOINT))
+    }
+
+    fn rollback_to_savepoint(&self) -> Result<(), StoreError> {
+        self.run(|conn| run_statement(conn, SQL_ROLLBACK_TO_SAVEPOINT))
+    }
 }
+
+/// The savepoint of [`Transaction::savepoint`]: one name, so a second one
+/// nests, and a rollback returns to the latest.
+const SQL_SAVEPOINT: &str = "SAVEPOINT idem_action";
+const SQL_ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO idem_action";
 
 /// Business transactions on an [`Engine`] built on a [`SqliteStore`], for
 /// business data in the engine's own database.
@@ -778,6 +791,29 @@ pub trait RunInTransaction {
         request: &BeginRequest,
         action: impl FnOnce(&Ticket, &Connection) -> ActionResult,
     ) -> Result<RunOutcome, Error>;
+
+    /// Like [`RunInTransaction::run_in_transaction`], with the claim in
+    /// the same SQLite transaction ([`Engine::run_with_one_transaction`]):
+    /// one commit per execution, and a crash leaves no processing record
+    /// to wait out. A duplicate waits for the transaction (up to the busy
+    /// timeout) and then replays; so keep the action short, because the
+    /// transaction holds the database's write lock while it runs.
+    ///
+    /// # Errors
+    ///
+    /// As [`RunInTransaction::run_in_transaction`].
+    fn run_in_one_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &Connection) -> ActionResult,
+    ) -> Result<RunOutcome, Error>;
+}
+
+/// The engine's own store, for its business transactions.
+fn own_store(engine: &Engine) -> Result<&SqliteStore, Error> {
+    engine
+        .storage::<SqliteStore>()
+        .ok_or(Error::WrongStorage("a SqliteStore"))
 }
 
 impl RunInTransaction for Engine {
@@ -786,10 +822,21 @@ impl RunInTransaction for Engine {
         request: &BeginRequest,
         action: impl FnOnce(&Ticket, &Connection) -> ActionResult,
     ) -> Result<RunOutcome, Error> {
-        let store = self
-            .storage::<SqliteStore>()
-            .ok_or(Error::WrongStorage("a SqliteStore"))?;
+        let store = own_store(self)?;
         self.run_with_transaction(
+            request,
+            || store.begin_transaction(),
+            |ticket, tx| tx.with_connection(|conn| action(ticket, conn)),
+        )
+    }
+
+    fn run_in_one_transaction(
+        &self,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &Connection) -> ActionResult,
+    ) -> Result<RunOutcome, Error> {
+        let store = own_store(self)?;
+        self.run_with_one_transaction(
             request,
             || store.begin_transaction(),
             |ticket, tx| tx.with_connection(|conn| action(ticket, conn)),

@@ -227,6 +227,33 @@ fn sqlite_transaction_commit_leaves_both_writes() {
 }
 
 #[test]
+fn sqlite_rollback_to_savepoint_undoes_only_what_came_after_it() {
+    use idem_engine::Transaction as _;
+    let (_dir, store) = sqlite_store();
+    business_table(&store);
+    let tx = store.begin_transaction().unwrap();
+    let claim = insert(&tx, &candidate(key("k")));
+    tx.savepoint().unwrap();
+    tx.with_connection(|c| c.execute("INSERT INTO orders VALUES ('o-1', 100)", []))
+        .unwrap()
+        .unwrap();
+    // A failed statement after the savepoint does not end the transaction.
+    assert!(
+        tx.with_connection(|c| c.execute("INSERT INTO orders VALUES ('o-1', 1)", []))
+            .unwrap()
+            .is_err()
+    );
+    tx.rollback_to_savepoint().unwrap();
+    let mut done = claim.clone();
+    done.status = Status::Failed;
+    done.revision = 2;
+    assert_eq!(tx.compare_and_swap(1, &done).unwrap(), SwapOutcome::Swapped);
+    tx.commit().unwrap();
+    assert_eq!(store.get(&key("k")).unwrap(), Some(done));
+    assert_eq!(order_count(&store), 0);
+}
+
+#[test]
 fn sqlite_dropped_transaction_rolls_back_and_frees_the_connection() {
     let dir = tempfile::tempdir().unwrap();
     let options = SqliteOptions {
