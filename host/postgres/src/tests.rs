@@ -363,19 +363,26 @@ fn pg_concurrent_connects_migrate_exactly_once() {
         .into_iter()
         .map(|h| h.join().unwrap().unwrap())
         .collect();
-    let versions: Vec<i32> = raw(&t.url)
+    assert_eq!(schema_versions(&t), vec![1, 2]);
+    let r = insert(&stores[1], &candidate(key("k")));
+    assert_eq!(stores[5].get(&key("k")).unwrap(), Some(r));
+    assert_eq!(stores[0].schema(), t.name);
+}
+
+/// The schema versions applied to the test's schema, in order.
+fn schema_versions(t: &TestSchema) -> Vec<i32> {
+    raw(&t.url)
         .query(
-            &format!("SELECT version FROM \"{}\".idem_schema_version", t.name),
+            &format!(
+                "SELECT version FROM \"{}\".idem_schema_version ORDER BY version",
+                t.name
+            ),
             &[],
         )
         .unwrap()
         .iter()
         .map(|r| r.get(0))
-        .collect();
-    assert_eq!(versions, vec![1, 2]);
-    let r = insert(&stores[1], &candidate(key("k")));
-    assert_eq!(stores[5].get(&key("k")).unwrap(), Some(r));
-    assert_eq!(stores[0].schema(), t.name);
+        .collect()
 }
 
 #[test]
@@ -403,19 +410,7 @@ fn pg_rows_written_by_schema_version_1_are_read_after_the_upgrade() {
     ))
     .unwrap();
     let store = t.store();
-    let versions: Vec<i32> = conn
-        .query(
-            &format!(
-                "SELECT version FROM \"{}\".idem_schema_version ORDER BY version",
-                t.name
-            ),
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(versions, vec![1, 2]);
+    assert_eq!(schema_versions(&t), vec![1, 2]);
     assert_eq!(store.get(&key("k")).unwrap(), Some(record.clone()));
     // A write stores the new form, read back the same.
     let mut next = record.clone();
