@@ -155,6 +155,39 @@ fn a_failed_action_is_rolled_back_to_the_claim_and_its_failure_stored() -> Resul
 }
 
 #[test]
+fn an_unknown_outcome_is_stored_and_never_run_again_blindly() -> Result<()> {
+    let s = setup()?;
+    let req = request("k1");
+    let timed_out = Failure {
+        code: "gateway-timeout".into(),
+        message: "the payment gateway did not answer".into(),
+        response: None,
+    };
+    order(
+        &s.engine,
+        &req,
+        ActionResult::Failed(timed_out, Disposition::OutcomeUnknown),
+    )?;
+    ensure!(orders(&s.db, "k1")? == 0, "the local row is rolled back");
+    // Past the lease too: only a lookup or an operator may settle it.
+    s.clock.set(T0 + 10 * req.policy.lease_ms);
+    let ran = AtomicU64::new(0);
+    let outcome = s.engine.run_in_one_transaction(&req, |_, _| {
+        ran.fetch_add(1, Ordering::SeqCst);
+        ok("order-1")
+    })?;
+    ensure!(
+        matches!(
+            outcome,
+            RunOutcome::NotExecuted(Decision::OutcomeUnknown(_))
+        ),
+        "{outcome:?}"
+    );
+    ensure!(ran.load(Ordering::SeqCst) == 0, "never run again blindly");
+    Ok(())
+}
+
+#[test]
 fn an_action_that_errors_leaves_no_record_and_no_row() -> Result<()> {
     let s = setup()?;
     let store = s
