@@ -740,6 +740,138 @@ fn one_transaction_commits_once_replays_and_stores_a_failure_after_an_aborted_st
 }
 
 #[test]
+fn a_postgres_batch_commits_once_and_undoes_a_failed_or_erroring_request_alone() -> Result<()> {
+    let Some(schema) = PgSchema::new() else {
+        return Ok(());
+    };
+    let (engine, store, _clock) = engine_on(&schema, &unique_name("idem_batch"))?;
+    let table = orders_table(&schema)?;
+    let insert = format!("INSERT INTO {table} (idem_key, worker) VALUES ($1, 'test')");
+    let reqs = ["k1", "k2", "k3", "k1", "k4"].map(|k| request(k, BODY));
+    let outcomes = PgRun::run_batch_in_one_transaction(&engine, &reqs, |i, _, client| {
+        if let Err(e) = client.execute(&insert, &[&reqs[i].key.idem_key]) {
+            return ActionResult::retryable("db", e);
+        }
+        // Request 1 fails after a statement that aborted the transaction;
+        // request 2 too, and reports the failure as retryable.
+        match i {
+            1 => {
+                let e = client.execute("SELECT 1/0", &[]).err();
+                ActionResult::Failed(
+                    Failure {
+                        code: "declined".into(),
+                        message: format!("{e:?}"),
+                        response: None,
+                    },
+                    Disposition::Final,
+                )
+            }
+            2 => match client.execute("SELECT 1/0", &[]) {
+                Ok(_) => ActionResult::Succeeded(Success::with_ref("never")),
+                Err(e) => ActionResult::retryable("db", e),
+            },
+            _ => ActionResult::Succeeded(Success::with_ref(format!("order-{i}"))),
+        }
+    })?;
+    ensure!(outcomes.len() == 5, "{outcomes:?}");
+    for i in [0, 4] {
+        ensure!(
+            matches!(
+                &outcomes[i],
+                Ok(RunOutcome::Executed {
+                    result: ActionResult::Succeeded(_),
+                    ..
+                })
+            ),
+            "{:?}",
+            outcomes[i]
+        );
+    }
+    ensure!(
+        matches!(
+            &outcomes[1],
+            Ok(RunOutcome::Executed {
+                result: ActionResult::Failed(_, Disposition::Final),
+                ..
+            })
+        ),
+        "{:?}",
+        outcomes[1]
+    );
+    ensure!(
+        matches!(
+            &outcomes[2],
+            Ok(RunOutcome::Executed {
+                result: ActionResult::Failed(_, Disposition::Retryable),
+                ..
+            })
+        ),
+        "{:?}",
+        outcomes[2]
+    );
+    match &outcomes[3] {
+        Ok(RunOutcome::NotExecuted(Decision::Replay(r))) => {
+            ensure!(r.result_ref.as_deref() == Some("order-0"), "{r:?}")
+        }
+        other => bail!("the duplicate in the batch should replay, got {other:?}"),
+    }
+    for (k, rows) in [("k1", 1), ("k2", 0), ("k3", 0), ("k4", 1)] {
+        ensure!(
+            orders_of(&schema, &table, k)? == rows,
+            "{rows} rows for {k}"
+        );
+    }
+    match engine.begin(&reqs[1])? {
+        Decision::Failed(f) => ensure!(f.code == "declined", "{f:?}"),
+        other => bail!("expected the stored failure, got {other:?}"),
+    }
+    // The retryable failure runs again, as attempt 2.
+    let again = PgRun::run_batch_in_one_transaction(&engine, &reqs[2..3], |_, _, client| {
+        match client.execute(&insert, &[&"k3"]) {
+            Ok(_) => ActionResult::Succeeded(Success::with_ref("order-k3")),
+            Err(e) => ActionResult::retryable("db", e),
+        }
+    })?;
+    match &again[..] {
+        [Ok(RunOutcome::Executed { ticket, .. })] => ensure!(ticket.attempt == 2, "{ticket:?}"),
+        other => bail!("expected a second attempt, got {other:?}"),
+    }
+    ensure!(orders_of(&schema, &table, "k3")? == 1);
+    // A request whose action errors after aborting the transaction is
+    // undone alone, claim included, and the next request commits.
+    let reqs = ["k5", "k6"].map(|k| request(k, BODY));
+    let outcomes = engine.run_batch_with_one_transaction(
+        &reqs,
+        || store.begin_transaction(),
+        |i, _, tx| {
+            let k = &reqs[i].key.idem_key;
+            tx.with_connection(|c| c.execute(&insert, &[k]))?
+                .map_err(|e| idem::StoreError::Internal(e.to_string()))?;
+            if i == 0 {
+                let e = tx.with_connection(|c| c.execute("SELECT 1/0", &[]))?;
+                return Err(idem::StoreError::Unavailable(format!("{e:?}")));
+            }
+            Ok(ActionResult::Succeeded(Success::with_ref("order-k6")))
+        },
+        idem::BatchErrors::SkipRequest,
+    )?;
+    ensure!(
+        matches!(
+            &outcomes[0],
+            Err(idem::Error::Store(idem::StoreError::Unavailable(_)))
+        ),
+        "{outcomes:?}"
+    );
+    ensure!(
+        matches!(&outcomes[1], Ok(RunOutcome::Executed { .. })),
+        "{outcomes:?}"
+    );
+    ensure!(engine.inspect(&reqs[0].key)?.is_none(), "no claim for k5");
+    ensure!(orders_of(&schema, &table, "k5")? == 0 && orders_of(&schema, &table, "k6")? == 1);
+    Ok(())
+}
+
+#[test]
 fn one_transaction_on_postgres_a_duplicate_host_waits_and_replays() -> Result<()> {
     let Some(schema) = PgSchema::new() else {
         return Ok(());

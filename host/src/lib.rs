@@ -43,13 +43,13 @@ pub use idem_server::operator;
 pub use idem_server::proxy;
 
 pub use idem_engine::{
-    ActionResult, BeginRequest, BodyKind, Busy, Clock, Completion, Decision, Disposition, Engine,
-    EngineBuilder, Error, ExpiredLease, Extension, Failure, FailureMode, FaultKind, GuestBounds,
-    InProgressMode, InputField, InputRule, InsertOutcome, InvalidInput, KeyCharset, KeyFormat,
-    KeyStatus, ManualClock, MemoryStore, MismatchInfo, PERF_MAP_VAR, Policy, ReconcileReport,
-    ReconcileTotals, Reconciler, RecordKey, Replayed, Resolution, ResultLookup, RunOutcome,
-    Settlement, Status, Storage, StoreError, StoredRecord, StoredResponse, Success, SwapOutcome,
-    SystemClock, Ticket, Timestamp, Transaction, UnknownInfo, WaitSpec,
+    ActionResult, BatchErrors, BeginRequest, BodyKind, Busy, Clock, Completion, Decision,
+    Disposition, Engine, EngineBuilder, Error, ExpiredLease, Extension, Failure, FailureMode,
+    FaultKind, GuestBounds, InProgressMode, InputField, InputRule, InsertOutcome, InvalidInput,
+    KeyCharset, KeyFormat, KeyStatus, ManualClock, MemoryStore, MismatchInfo, PERF_MAP_VAR, Policy,
+    ReconcileReport, ReconcileTotals, Reconciler, RecordKey, Replayed, Resolution, ResultLookup,
+    RunOutcome, Savepoint, Settlement, Status, Storage, StoreError, StoredRecord, StoredResponse,
+    Success, SwapOutcome, SystemClock, Ticket, Timestamp, Transaction, UnknownInfo, WaitSpec,
 };
 pub use idem_engine::{api, bounds, clock, embed, engine, types};
 /// The HTTP idempotency layer (`idem-layer`).

@@ -37,7 +37,7 @@ pub fn consume(stream: &str, durable: &str, dlq: &str, db: &str, lease_ms: u64) 
         adapter
             .run_blocking(
                 move |incoming, engine, request, budget| {
-                    business.handle(incoming.id.as_str(), engine, request, budget, false)
+                    business.handle(incoming.id.as_str(), engine, request, budget)
                 },
                 std::future::pending(),
             )

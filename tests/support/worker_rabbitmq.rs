@@ -2,9 +2,10 @@
 //! consumer process for `tests/rabbitmq_kill.rs`. It consumes `queue`
 //! through idem on `db` (a [`Business`]), writing each
 //! message's business effect (an `orders` row) in one transaction with
-//! its claim and its outcome (`run_in_one_transaction`; the JetStream
-//! worker claims first, `run_in_transaction`), slowly enough that a
-//! SIGKILL lands mid-message. Prints "ready" once it consumes.
+//! its claim and its outcome, for every delivery that has arrived (up to
+//! [`BATCH`]: `run_batch_in_one_transaction`; the JetStream worker claims
+//! first, `run_in_transaction`), slowly enough that a SIGKILL lands
+//! mid-batch. Prints "ready" once it consumes.
 
 use std::time::Duration;
 
@@ -17,6 +18,10 @@ use idem_rabbitmq::{Options, RabbitConsumer, Topology};
 /// How long the handler waits before and after its business write: a kill
 /// at a random instant lands before, between or after them.
 pub const STEP: Duration = Duration::from_millis(5);
+
+/// The RabbitMQ worker's prefetch and largest batch: a kill lands in a
+/// batch of several messages, whose redeliveries must all run again.
+pub const BATCH: u16 = 4;
 
 /// The business effect's outcome, as the idempotency record stores it.
 pub fn effect(
@@ -88,50 +93,61 @@ impl Business {
         Ok((engine, business))
     }
 
+    /// Handles the messages `ids` in one transaction: each one's claim,
+    /// `orders` row ([`STEP`] before and after) and outcome
+    /// (`run_batch_in_one_transaction`).
+    pub fn handle_batch(
+        &self,
+        ids: &[&str],
+        engine: &Engine,
+        requests: &[idem::BeginRequest],
+        budget: idem_consumer::RetryBudget,
+    ) -> Result<Vec<Result<idem::RunOutcome, idem::Error>>, idem::Error> {
+        use idem::postgres::RunInTransaction as Pg;
+        let (insert, me) = (self.insert.as_str(), self.me.as_str());
+        if self.on_postgres {
+            Pg::run_batch_in_one_transaction(engine, requests, |i, ticket, client| {
+                std::thread::sleep(STEP);
+                let written = client.execute(insert, &[&ids[i], &me]);
+                std::thread::sleep(STEP);
+                effect(ids[i], ticket, budget, written.map(|n| n as usize))
+            })
+        } else {
+            RunInTransaction::run_batch_in_one_transaction(engine, requests, |i, ticket, conn| {
+                std::thread::sleep(STEP);
+                let written = conn.execute(insert, [ids[i], me]);
+                std::thread::sleep(STEP);
+                effect(ids[i], ticket, budget, written)
+            })
+        }
+    }
+
     /// Handles message `id`: its `orders` row written in the same
     /// transaction as its idempotency record's outcome, [`STEP`] before
-    /// and after. With `one_transaction` the claim is in that transaction
-    /// too (`run_in_one_transaction`); without, it commits first
-    /// (`run_in_transaction`).
+    /// and after; the claim commits first (`run_in_transaction`).
     pub fn handle(
         &self,
         id: &str,
         engine: &Engine,
         request: &idem::BeginRequest,
         budget: idem_consumer::RetryBudget,
-        one_transaction: bool,
     ) -> Result<idem::RunOutcome, idem::Error> {
         use idem::postgres::RunInTransaction as Pg;
         let (insert, me) = (self.insert.as_str(), self.me.as_str());
-        match (self.on_postgres, one_transaction) {
-            (true, true) => Pg::run_in_one_transaction(engine, request, |ticket, client| {
+        if self.on_postgres {
+            Pg::run_in_transaction(engine, request, |ticket, client| {
                 std::thread::sleep(STEP);
                 let written = client.execute(insert, &[&id, &me]);
                 std::thread::sleep(STEP);
                 effect(id, ticket, budget, written.map(|n| n as usize))
-            }),
-            (true, false) => Pg::run_in_transaction(engine, request, |ticket, client| {
+            })
+        } else {
+            RunInTransaction::run_in_transaction(engine, request, |ticket, conn| {
                 std::thread::sleep(STEP);
-                let written = client.execute(insert, &[&id, &me]);
+                let written = conn.execute(insert, [id, me]);
                 std::thread::sleep(STEP);
-                effect(id, ticket, budget, written.map(|n| n as usize))
-            }),
-            (false, true) => {
-                RunInTransaction::run_in_one_transaction(engine, request, |ticket, conn| {
-                    std::thread::sleep(STEP);
-                    let written = conn.execute(insert, [id, me]);
-                    std::thread::sleep(STEP);
-                    effect(id, ticket, budget, written)
-                })
-            }
-            (false, false) => {
-                RunInTransaction::run_in_transaction(engine, request, |ticket, conn| {
-                    std::thread::sleep(STEP);
-                    let written = conn.execute(insert, [id, me]);
-                    std::thread::sleep(STEP);
-                    effect(id, ticket, budget, written)
-                })
-            }
+                effect(id, ticket, budget, written)
+            })
         }
     }
 }
@@ -148,16 +164,18 @@ pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
         .context("RabbitMQ")?;
         let channel = conn.create_channel().await?;
         let options = Options {
-            prefetch: 1,
+            prefetch: BATCH,
             ..Options::default()
         };
         let rabbit =
             RabbitConsumer::new(channel, Topology::named(queue), consumer, options).await?;
         println!("ready");
         rabbit
-            .run_blocking(
-                move |incoming, engine, request, budget| {
-                    business.handle(incoming.id.as_str(), engine, request, budget, true)
+            .run_batch_blocking(
+                usize::from(BATCH),
+                move |incoming, engine, requests, budget| {
+                    let ids: Vec<&str> = incoming.iter().map(|i| i.id.as_str()).collect();
+                    business.handle_batch(&ids, engine, requests, budget)
                 },
                 std::future::pending(),
             )

@@ -258,7 +258,7 @@ impl std::fmt::Display for DeadLetterReason {
 /// The engine could not decide or store an outcome (most often the store
 /// did not answer). The adapter must neither ack nor dead-letter the
 /// delivery: it retries it later.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("the engine failed: {0}")]
 pub struct ConsumerError(#[from] pub Error);
 
@@ -419,6 +419,70 @@ impl Consumer {
         Ok(self.verdict(outcome))
     }
 
+    /// Like [`Consumer::handle_blocking`], for several deliveries at once:
+    /// `run` drives the engine for all of them on one blocking thread,
+    /// typically with a store's `run_batch_in_one_transaction`, so that
+    /// the batch's claims, business writes and outcomes commit together,
+    /// once. `run` gets the requests in the order of `messages` and
+    /// answers one slot per request, in that order.
+    ///
+    /// # Errors
+    ///
+    /// [`ConsumerError`] when the batch as a whole could not be run or
+    /// committed: every delivery must be retried, never acked. A slot's
+    /// own error means the same for that delivery alone.
+    pub async fn handle_batch_blocking<F>(
+        &self,
+        messages: &[Message<'_>],
+        run: F,
+    ) -> Result<Vec<Result<Verdict, ConsumerError>>, ConsumerError>
+    where
+        F: FnOnce(
+                &Engine,
+                &[BeginRequest],
+                RetryBudget,
+            ) -> Result<Vec<Result<RunOutcome, Error>>, Error>
+            + Send
+            + 'static,
+    {
+        let requests = messages.iter().map(|m| self.request(m)).collect();
+        self.run_batch_blocking(requests, run).await
+    }
+
+    /// [`Consumer::handle_batch_blocking`] with the requests made.
+    async fn run_batch_blocking<F>(
+        &self,
+        requests: Vec<BeginRequest>,
+        run: F,
+    ) -> Result<Vec<Result<Verdict, ConsumerError>>, ConsumerError>
+    where
+        F: FnOnce(
+                &Engine,
+                &[BeginRequest],
+                RetryBudget,
+            ) -> Result<Vec<Result<RunOutcome, Error>>, Error>
+            + Send
+            + 'static,
+    {
+        let expected = requests.len();
+        let engine = self.engine.clone();
+        let budget = self.budget();
+        let outcomes = tokio::task::spawn_blocking(move || run(&engine, &requests, budget))
+            .await
+            .map_err(|e| Error::Trap(format!("the handler did not finish: {e}")))??;
+        if outcomes.len() != expected {
+            return Err(Error::Corrupt(format!(
+                "a batch of {expected} deliveries was answered with {} outcomes",
+                outcomes.len()
+            ))
+            .into());
+        }
+        Ok(outcomes
+            .into_iter()
+            .map(|outcome| outcome.map(|o| self.verdict(o)).map_err(ConsumerError))
+            .collect())
+    }
+
     /// The verdict for what the engine did with a delivery.
     pub fn verdict(&self, outcome: RunOutcome) -> Verdict {
         match outcome {
@@ -513,6 +577,9 @@ impl Consumer {
             .map_err(|e| Error::Trap(format!("the engine call did not finish: {e}")))?
     }
 }
+
+mod batcher;
+pub use batcher::Batcher;
 
 #[cfg(test)]
 mod tests;

@@ -26,7 +26,7 @@ pub use crate::bounds::{DEFAULT_GUEST_DEADLINE, DEFAULT_MEMORY_LIMIT, EPOCH_TICK
 pub const DEFAULT_GUEST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/idem_guest.wasm"));
 
 /// Errors from the engine API.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// The store failed; the key is as the store left it.
     #[error(transparent)]
@@ -736,58 +736,149 @@ impl Engine {
         open: impl FnOnce() -> Result<T, StoreError>,
         action: impl FnOnce(&Ticket, &T) -> Result<ActionResult, StoreError>,
     ) -> Result<RunOutcome, Error> {
-        let mut request = request.clone();
-        request.policy.in_progress = InProgressMode::Reject;
+        let mut action = Some(action);
+        let mut outcomes = self.run_batch_with_one_transaction(
+            std::slice::from_ref(request),
+            open,
+            |_, ticket, tx| match action.take() {
+                Some(action) => action(ticket, tx),
+                None => Err(StoreError::Internal(
+                    "the action of a one-request batch was called twice".into(),
+                )),
+            },
+            BatchErrors::AbortBatch,
+        )?;
+        match outcomes.pop() {
+            Some(outcome) if outcomes.is_empty() => outcome,
+            _ => Err(Error::Corrupt(
+                "a one-request batch did not answer once".into(),
+            )),
+        }
+    }
+
+    /// [`Engine::run_with_one_transaction`] for several requests in one
+    /// transaction: each request is claimed, its action run and its
+    /// outcome stored in turn, and everything commits together, so a batch
+    /// of `n` deliveries costs one commit instead of `n`. This is how a
+    /// consumer keeps up with a broker that delivers faster than the store
+    /// commits.
+    ///
+    /// - Requests run in order, on this thread. A request whose key an
+    ///   earlier request of the batch settled sees that outcome (a
+    ///   duplicate in the batch replays).
+    /// - A failed action's writes are rolled back to a savepoint taken
+    ///   after its claim, and its failure stored, as in
+    ///   [`Engine::run_with_one_transaction`]. The other requests' writes
+    ///   stay.
+    /// - A request that ends in an error (from `begin`, its action, or
+    ///   storing its outcome; a guest trap) is rolled back to a savepoint
+    ///   taken before its claim, so it leaves nothing, not half a record.
+    ///   With [`BatchErrors::SkipRequest`] its slot holds the error and the
+    ///   batch goes on; with [`BatchErrors::AbortBatch`] the whole
+    ///   transaction is rolled back and the error returned.
+    /// - The transaction holds the store's write lock (SQLite) or the
+    ///   batch's keys (PostgreSQL) until it ends, so a batch's actions
+    ///   should be short and the batch bounded.
+    ///
+    /// The answer has one slot per request, in order.
+    ///
+    /// # Errors
+    ///
+    /// Opening or committing the transaction, or a transaction that can no
+    /// longer be used (a savepoint that cannot be taken or returned to):
+    /// nothing of the batch is kept, except that a commit that failed as
+    /// [`StoreError::Unavailable`] leaves the batch unknown, as any write.
+    /// The caller may retry every request: what did commit replays.
+    pub fn run_batch_with_one_transaction<T: Transaction>(
+        &self,
+        requests: &[BeginRequest],
+        open: impl FnOnce() -> Result<T, StoreError>,
+        mut action: impl FnMut(usize, &Ticket, &T) -> Result<ActionResult, StoreError>,
+        errors: BatchErrors,
+    ) -> Result<Vec<Result<RunOutcome, Error>>, Error> {
         let tx = Arc::new(open()?);
         let storage: Arc<dyn Storage> = tx.clone();
-        // Everything that can fail before the commit: any error rolls back.
-        let attempt = (|| {
-            let ticket = match self.begin_on(Some(storage.clone()), &request)? {
-                Decision::Execute(ticket) => ticket,
-                other => return Ok(Err(other)),
-            };
-            tx.savepoint()?;
-            let result = action(&ticket, &tx)?;
-            let completion = match &result {
-                ActionResult::Succeeded(success) => {
-                    self.complete_on(Some(storage.clone()), &ticket, &request.policy, success)?
+        let mut outcomes = Vec::with_capacity(requests.len());
+        // Everything that can fail before the commit: an error here rolls
+        // the whole transaction back.
+        let batch = (|| {
+            for (index, request) in requests.iter().enumerate() {
+                tx.savepoint(Savepoint::Request)?;
+                let outcome = self.one_in_transaction(&*tx, &storage, request, |ticket, tx| {
+                    action(index, ticket, tx)
+                });
+                let outcome = match (outcome, errors) {
+                    (Err(e), BatchErrors::AbortBatch) => return Err(e),
+                    (outcome, _) => outcome,
+                };
+                let keep = matches!(
+                    outcome,
+                    Ok(RunOutcome::Executed { .. } | RunOutcome::NotExecuted(_))
+                );
+                if !keep {
+                    tx.rollback_to_savepoint(Savepoint::Request)?;
                 }
-                ActionResult::Failed(failure, disposition) => {
-                    tx.rollback_to_savepoint()?;
-                    self.fail_on(
-                        Some(storage.clone()),
-                        &ticket,
-                        &request.policy,
-                        failure,
-                        *disposition,
-                    )?
-                }
-            };
-            Ok::<_, Error>(Ok((ticket, result, completion)))
+                tx.release_savepoint(Savepoint::Request)?;
+                outcomes.push(outcome);
+            }
+            Ok::<_, Error>(())
         })();
         drop(storage);
         let tx = Arc::into_inner(tx)
             .ok_or_else(|| Error::Corrupt("the business transaction is still shared".into()))?;
-        match attempt {
+        match batch {
+            Ok(()) => {
+                tx.commit()?;
+                Ok(outcomes)
+            }
             Err(e) => {
                 tx.rollback()?;
                 Err(e)
             }
-            Ok(Err(decision)) => {
-                tx.commit()?;
-                Ok(RunOutcome::NotExecuted(decision))
-            }
-            Ok(Ok((ticket, result, Completion::Recorded))) => {
-                tx.commit()?;
-                Ok(RunOutcome::Executed { ticket, result })
-            }
-            // Nobody else can write the claimed record before the commit;
-            // should the store say otherwise, nothing is kept.
-            Ok(Ok((ticket, _, Completion::LostOwnership))) => {
-                tx.rollback()?;
-                Ok(RunOutcome::LostOwnership { ticket })
-            }
         }
+    }
+
+    /// One request of a one-transaction run: the claim, the action and the
+    /// outcome, all written through `tx`. A lost ownership is answered as
+    /// such, for the caller to roll back: nobody else can write the
+    /// claimed record before the commit, so a store that says otherwise
+    /// keeps nothing of it.
+    fn one_in_transaction<T: Transaction>(
+        &self,
+        tx: &T,
+        storage: &Arc<dyn Storage>,
+        request: &BeginRequest,
+        action: impl FnOnce(&Ticket, &T) -> Result<ActionResult, StoreError>,
+    ) -> Result<RunOutcome, Error> {
+        // Waiting on a key claimed elsewhere would hold the transaction
+        // open; the caller hears "in progress" at once.
+        let mut request = request.clone();
+        request.policy.in_progress = InProgressMode::Reject;
+        let ticket = match self.begin_on(Some(storage.clone()), &request)? {
+            Decision::Execute(ticket) => ticket,
+            other => return Ok(RunOutcome::NotExecuted(other)),
+        };
+        tx.savepoint(Savepoint::Action)?;
+        let result = action(&ticket, tx)?;
+        let completion = match &result {
+            ActionResult::Succeeded(success) => {
+                self.complete_on(Some(storage.clone()), &ticket, &request.policy, success)?
+            }
+            ActionResult::Failed(failure, disposition) => {
+                tx.rollback_to_savepoint(Savepoint::Action)?;
+                self.fail_on(
+                    Some(storage.clone()),
+                    &ticket,
+                    &request.policy,
+                    failure,
+                    *disposition,
+                )?
+            }
+        };
+        Ok(match completion {
+            Completion::Recorded => RunOutcome::Executed { ticket, result },
+            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
+        })
     }
 
     /// The storage backend this engine was built on, if it is an `S`: how
@@ -814,14 +905,67 @@ pub trait Transaction: Storage {
     where
         Self: Sized;
 
-    /// Marks the point that [`Transaction::rollback_to_savepoint`] returns
-    /// to ([`Engine::run_with_one_transaction`] takes it after the claim, so
-    /// that a failed action's writes can be undone and the claim kept). A
-    /// second call moves the mark.
-    fn savepoint(&self) -> Result<(), StoreError>;
+    /// Marks a point that [`Transaction::rollback_to_savepoint`] returns
+    /// to. A second mark of the same [`Savepoint`] nests inside the first.
+    fn savepoint(&self, mark: Savepoint) -> Result<(), StoreError>;
 
-    /// Undoes every write made since [`Transaction::savepoint`], keeping
-    /// the transaction and what was written before it. Without a savepoint
-    /// it is [`StoreError::Internal`].
-    fn rollback_to_savepoint(&self) -> Result<(), StoreError>;
+    /// Undoes every write made since the latest `mark`, keeping the
+    /// transaction, what was written before the mark, and the mark itself;
+    /// marks taken after it are forgotten. Without such a mark it is
+    /// [`StoreError::Internal`].
+    fn rollback_to_savepoint(&self, mark: Savepoint) -> Result<(), StoreError>;
+
+    /// Forgets the latest `mark` and every mark taken after it, keeping
+    /// what was written. Without such a mark it is [`StoreError::Internal`].
+    fn release_savepoint(&self, mark: Savepoint) -> Result<(), StoreError>;
+}
+
+/// The savepoints of a one-transaction run
+/// ([`Engine::run_batch_with_one_transaction`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Savepoint {
+    /// Taken before a request is claimed: a request that ends in an error
+    /// is undone back to it, claim included, and the batch goes on.
+    Request,
+    /// Taken after a request's claim: a failed action's writes are undone
+    /// back to it, and the claim kept for the failure to be stored on.
+    Action,
+}
+
+/// The savepoint statements, in the SQL that SQLite and PostgreSQL both
+/// accept, as fixed text so that a backend can keep them prepared.
+impl Savepoint {
+    /// `SAVEPOINT name`: takes the mark.
+    pub fn take_sql(self) -> &'static str {
+        match self {
+            Savepoint::Request => "SAVEPOINT idem_request",
+            Savepoint::Action => "SAVEPOINT idem_action",
+        }
+    }
+
+    /// `ROLLBACK TO SAVEPOINT name`: returns to the latest mark.
+    pub fn rollback_sql(self) -> &'static str {
+        match self {
+            Savepoint::Request => "ROLLBACK TO SAVEPOINT idem_request",
+            Savepoint::Action => "ROLLBACK TO SAVEPOINT idem_action",
+        }
+    }
+
+    /// `RELEASE SAVEPOINT name`: forgets the latest mark.
+    pub fn release_sql(self) -> &'static str {
+        match self {
+            Savepoint::Request => "RELEASE SAVEPOINT idem_request",
+            Savepoint::Action => "RELEASE SAVEPOINT idem_action",
+        }
+    }
+}
+
+/// What [`Engine::run_batch_with_one_transaction`] does with a request that
+/// ends in an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchErrors {
+    /// Undo that request alone, answer its slot with the error, go on.
+    SkipRequest,
+    /// Roll the whole transaction back and return the error.
+    AbortBatch,
 }

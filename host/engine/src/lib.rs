@@ -52,7 +52,8 @@ pub use api::{
 pub use bounds::GuestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{
-    ActionResult, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup, RunOutcome, Transaction,
+    ActionResult, BatchErrors, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup,
+    RunOutcome, Savepoint, Transaction,
 };
 pub use reconciler::{ReconcileTotals, Reconciler};
 pub use store::{FaultKind, MemoryStore, Storage, StoreError};

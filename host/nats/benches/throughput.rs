@@ -317,17 +317,35 @@ async fn measure_plain(js: &Context, tag: &str, args: &Args) -> anyhow::Result<M
     ))
 }
 
-/// The idem runs: a handler that does nothing (`run`), or, with
-/// `one_transaction`, one that writes an `orders` row in one transaction
-/// with the message's claim and outcome (`run_blocking` with
-/// `run_in_one_transaction`).
+/// What the idem runs' handler does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Nothing (`run`).
+    Noop,
+    /// Writes an `orders` row in one transaction with the message's claim
+    /// and outcome (`run_blocking` with `run_in_one_transaction`).
+    OneTransaction,
+    /// The same, for the messages in flight together (`run_batch_blocking`
+    /// with `run_batch_in_one_transaction`): one commit per batch.
+    Batch,
+}
+
+/// Writes the `orders` row of message `id`.
+fn order(id: &str, conn: &rusqlite::Connection) -> ActionResult {
+    match conn.execute("INSERT INTO orders VALUES (?1)", [id]) {
+        Ok(_) => ActionResult::Succeeded(Success::with_ref(id)),
+        Err(e) => ActionResult::retryable("db", e),
+    }
+}
+
+/// The idem runs, with a handler as `mode` says.
 async fn measure_idem(
     js: &Context,
     tag: &str,
     args: &Args,
-    one_transaction: bool,
+    mode: Mode,
 ) -> anyhow::Result<Measured> {
-    let name = format!("IDEM_BENCH_IDEM_{tag}_{}", u8::from(one_transaction));
+    let name = format!("IDEM_BENCH_IDEM_{tag}_{}", mode as u8);
     let dlq_name = format!("{name}_DLQ");
     let dlq_subject = format!("idem_bench_dlq.{}", tag.to_lowercase());
     js.create_stream(stream::Config {
@@ -371,29 +389,43 @@ async fn measure_idem(
                 let shutdown = async move {
                     let _ = stopped.wait_for(|s| *s).await;
                 };
-                if one_transaction {
-                    adapter
-                        .run_blocking(
-                            |m: Incoming, engine: &Engine, request: &BeginRequest, _| {
-                                engine.run_in_one_transaction(request, |_, conn| {
-                                    match conn.execute("INSERT INTO orders VALUES (?1)", [&m.id]) {
-                                        Ok(_) => ActionResult::Succeeded(Success::with_ref(
-                                            m.id.as_str(),
-                                        )),
-                                        Err(e) => ActionResult::retryable("db", e),
-                                    }
-                                })
-                            },
-                            shutdown,
-                        )
-                        .await
-                } else {
-                    adapter
-                        .run(
-                            |_d: Delivery| async { Ok::<_, HandlerError>("done") },
-                            shutdown,
-                        )
-                        .await
+                match mode {
+                    Mode::OneTransaction => {
+                        adapter
+                            .run_blocking(
+                                |m: Incoming, engine: &Engine, request: &BeginRequest, _| {
+                                    engine.run_in_one_transaction(request, |_, conn| {
+                                        order(&m.id, conn)
+                                    })
+                                },
+                                shutdown,
+                            )
+                            .await
+                    }
+                    Mode::Batch => {
+                        adapter
+                            .run_batch_blocking(
+                                usize::MAX,
+                                |ms: Vec<Incoming>,
+                                 engine: &Engine,
+                                 requests: &[BeginRequest],
+                                 _| {
+                                    engine.run_batch_in_one_transaction(requests, |i, _, conn| {
+                                        order(&ms[i].id, conn)
+                                    })
+                                },
+                                shutdown,
+                            )
+                            .await
+                    }
+                    Mode::Noop => {
+                        adapter
+                            .run(
+                                |_d: Delivery| async { Ok::<_, HandlerError>("done") },
+                                shutdown,
+                            )
+                            .await
+                    }
                 }
             })
         })
@@ -436,12 +468,14 @@ async fn main() -> anyhow::Result<()> {
         args.messages, args.consumers, args.in_flight
     );
     let plain = measure_plain(&js, &tag, &args).await?;
-    let idem = measure_idem(&js, &tag, &args, false).await?;
-    let one = measure_idem(&js, &tag, &args, true).await?;
+    let idem = measure_idem(&js, &tag, &args, Mode::Noop).await?;
+    let one = measure_idem(&js, &tag, &args, Mode::OneTransaction).await?;
+    let batch = measure_idem(&js, &tag, &args, Mode::Batch).await?;
     for (what, m) in [
         ("plain ack", &plain),
         ("idem (SQLite)", &idem),
         ("idem, a business row, one transaction", &one),
+        ("idem, a business row, batched", &batch),
     ] {
         println!(
             "  {what:<38} {:>9.0} msg/s   handling p50 {:>8.2?}   p99 {:>8.2?}   CPU per message: this process {:>6.1} us, nats-server {:>6.1} us",
@@ -449,9 +483,12 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     println!(
-        "  idem / plain: {:.2} of the plain rate; with a business row in one transaction {:.2}",
+        "  idem / plain: {:.2} of the plain rate; with a business row in one transaction {:.2}; \
+         batched {:.2} (batched / one transaction {:.2})",
         idem.rate / plain.rate,
-        one.rate / plain.rate
+        one.rate / plain.rate,
+        batch.rate / plain.rate,
+        batch.rate / one.rate
     );
     Ok(())
 }

@@ -90,7 +90,7 @@ use async_nats::jetstream::{self, AckKind, Context};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use idem_consumer::{
-    Acked, Consumer, ConsumerError, DeadLetterReason, HandlerError, Message, RetryBudget,
+    Acked, Batcher, Consumer, ConsumerError, DeadLetterReason, HandlerError, Message, RetryBudget,
     RetryReason, Verdict,
 };
 use idem_engine::api::{BeginRequest, Ticket};
@@ -538,6 +538,41 @@ impl JetStreamAdapter {
             .await
     }
 
+    /// Like [`JetStreamAdapter::run_blocking`], with the deliveries in
+    /// flight handled together: the messages waiting while a batch runs
+    /// make up the next one (up to `max_batch`, and at most
+    /// [`AdapterConfig::max_in_flight`] are ever pulled), and `handler` runs
+    /// each batch on a blocking thread ([`Batcher`]), typically with a
+    /// store's `run_batch_in_one_transaction` so that the batch costs one
+    /// commit. A lone message runs at once. `handler` gets the batch's
+    /// messages and the matching engine requests, and answers one slot per
+    /// request.
+    ///
+    /// # Errors
+    ///
+    /// As [`JetStreamAdapter::run`].
+    pub async fn run_batch_blocking<H>(
+        &self,
+        max_batch: usize,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Report, NatsError>
+    where
+        H: Fn(
+                Vec<Incoming>,
+                &Engine,
+                &[BeginRequest],
+                RetryBudget,
+            ) -> Result<Vec<Result<RunOutcome, EngineError>>, EngineError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let max_batch = max_batch.clamp(1, self.inner.config.max_in_flight.max(1));
+        let batcher = Batcher::new(&self.inner.consumer, max_batch, handler);
+        self.consume(BatchingHandler(batcher), shutdown).await
+    }
+
     /// The consume loop: pulls, hands each delivery to a task of its own
     /// that asks `decide` for its verdict and carries it out.
     async fn consume<D: Decide>(
@@ -668,8 +703,9 @@ impl JetStreamAdapter {
 }
 
 /// How a run gets a delivery's verdict from the consumer: through an async
-/// handler ([`JetStreamAdapter::run`]) or a blocking one
-/// ([`JetStreamAdapter::run_blocking`]).
+/// handler ([`JetStreamAdapter::run`]), a blocking one
+/// ([`JetStreamAdapter::run_blocking`]) or a batch
+/// ([`JetStreamAdapter::run_batch_blocking`]).
 trait Decide: Send + Sync + 'static {
     fn decide<'a>(
         &'a self,
@@ -727,6 +763,19 @@ where
             };
             consumer.handle_blocking(&keyed, run).await
         }
+    }
+}
+
+struct BatchingHandler(Batcher<Incoming>);
+
+impl Decide for BatchingHandler {
+    async fn decide<'a>(
+        &'a self,
+        _consumer: &'a Consumer,
+        keyed: Message<'a>,
+        incoming: Incoming,
+    ) -> Result<Verdict, ConsumerError> {
+        self.0.handle(&keyed, incoming).await
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -497,7 +497,36 @@ const BLOCKING_MESSAGES: usize = 200;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocking_handler_writes_each_message_once_in_the_idem_transaction() -> anyhow::Result<()>
 {
-    let broker = Broker::new("blocking").await?;
+    writers("blocking", false).await.map(drop)
+}
+
+/// As above, with each consumer's messages in flight run together, one
+/// transaction (one commit) per batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batching_handler_writes_each_message_once_in_one_transaction_per_batch()
+-> anyhow::Result<()> {
+    let largest = writers("batching", true).await?;
+    assert!(largest > 1, "the messages were never batched");
+    Ok(())
+}
+
+/// The business row of a delivery, written in the idem transaction.
+fn reserve(conn: &rusqlite::Connection, incoming: &Incoming) -> ActionResult {
+    match conn.execute(
+        "INSERT INTO reservations (id, body) VALUES (?1, ?2)",
+        (incoming.id.as_str(), incoming.message.payload.as_ref()),
+    ) {
+        Ok(_) => ActionResult::Succeeded(Success::with_ref(incoming.id.clone())),
+        Err(e) => ActionResult::retryable("reservations", e),
+    }
+}
+
+/// [`BLOCKING_MESSAGES`] published twice, two consumers writing a row per
+/// message in the idem transaction (`run_in_transaction`, or with `batch`
+/// `run_batch_in_one_transaction`): one row per message. Returns the
+/// largest batch.
+async fn writers(tag: &str, batch: bool) -> anyhow::Result<usize> {
+    let broker = Broker::new(tag).await?;
     let pull = broker.consumer("writers", LONG_ACK_WAIT).await?;
     let dir = tempfile::tempdir()?;
     let store = idem_sqlite::SqliteStore::open(
@@ -521,30 +550,38 @@ async fn a_blocking_handler_writes_each_message_once_in_the_idem_transaction() -
         }
     }
     let stop = Stop::new();
+    let largest = Arc::new(AtomicUsize::new(0));
     let runs: Vec<_> = (0..2)
         .map(|_| {
             let adapter = broker.adapter(&pull, &consumer, broker.config()?);
             let signal = stop.signal();
+            let largest = largest.clone();
             Ok(tokio::spawn(async move {
-                adapter
-                    .run_blocking(
-                        |incoming: Incoming, engine: &Engine, request, budget| {
-                            engine.run_in_transaction(request, |ticket, conn| {
-                                let result = match conn.execute(
-                                    "INSERT INTO reservations (id, body) VALUES (?1, ?2)",
-                                    (incoming.id.as_str(), incoming.message.payload.as_ref()),
-                                ) {
-                                    Ok(_) => ActionResult::Succeeded(Success::with_ref(
-                                        incoming.id.clone(),
-                                    )),
-                                    Err(e) => ActionResult::retryable("reservations", e),
-                                };
-                                budget.apply(ticket, result)
-                            })
-                        },
-                        signal,
-                    )
-                    .await
+                if batch {
+                    adapter
+                        .run_batch_blocking(
+                            usize::MAX,
+                            move |batch: Vec<Incoming>, engine: &Engine, requests, budget| {
+                                largest.fetch_max(batch.len(), Ordering::SeqCst);
+                                engine.run_batch_in_one_transaction(requests, |i, ticket, conn| {
+                                    budget.apply(ticket, reserve(conn, &batch[i]))
+                                })
+                            },
+                            signal,
+                        )
+                        .await
+                } else {
+                    adapter
+                        .run_blocking(
+                            |incoming: Incoming, engine: &Engine, request, budget| {
+                                engine.run_in_transaction(request, |ticket, conn| {
+                                    budget.apply(ticket, reserve(conn, &incoming))
+                                })
+                            },
+                            signal,
+                        )
+                        .await
+                }
             }))
         })
         .collect::<anyhow::Result<_>>()?;
@@ -572,10 +609,11 @@ async fn a_blocking_handler_writes_each_message_once_in_the_idem_transaction() -
     }
     let total = sum(&reports);
     let (written, distinct) = rows()?;
+    let largest = largest.load(Ordering::SeqCst);
     println!(
-        "blocking: {BLOCKING_MESSAGES} messages published twice, 2 consumers writing in the idem \
+        "{tag}: {BLOCKING_MESSAGES} messages published twice, 2 consumers writing in the idem \
          transaction: {written} rows ({distinct} ids), {} deliveries, {} executed, {} duplicates, \
-         {} in progress",
+         {} in progress, largest batch {largest}",
         total.deliveries, total.executed, total.duplicates, total.in_progress
     );
     assert_eq!(
@@ -587,7 +625,7 @@ async fn a_blocking_handler_writes_each_message_once_in_the_idem_transaction() -
         total.executed + total.duplicates,
         2 * BLOCKING_MESSAGES as u64
     );
-    Ok(())
+    Ok(largest)
 }
 
 // ---------------------------------------------------------------------------

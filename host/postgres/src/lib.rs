@@ -43,7 +43,8 @@ use idem_engine::store::sql::{
 };
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
-    ActionResult, BeginRequest, Engine, Error, RunOutcome, Storage, StoreError, Ticket, Transaction,
+    ActionResult, BatchErrors, BeginRequest, Engine, Error, RunOutcome, Savepoint, Storage,
+    StoreError, Ticket, Transaction,
 };
 
 /// The table that records which migrations a schema has had.
@@ -942,25 +943,20 @@ impl Transaction for PostgresTransaction {
         PostgresTransaction::rollback(self)
     }
 
-    fn savepoint(&self) -> Result<(), StoreError> {
-        self.run(|c| c.client.batch_execute(SQL_SAVEPOINT).map_err(map_err))
+    fn savepoint(&self, mark: Savepoint) -> Result<(), StoreError> {
+        self.run(|c| c.client.batch_execute(mark.take_sql()).map_err(map_err))
     }
 
     /// Also ends the "aborted" state a failed statement after the
     /// savepoint left the transaction in.
-    fn rollback_to_savepoint(&self) -> Result<(), StoreError> {
-        self.run(|c| {
-            c.client
-                .batch_execute(SQL_ROLLBACK_TO_SAVEPOINT)
-                .map_err(map_err)
-        })
+    fn rollback_to_savepoint(&self, mark: Savepoint) -> Result<(), StoreError> {
+        self.run(|c| c.client.batch_execute(mark.rollback_sql()).map_err(map_err))
+    }
+
+    fn release_savepoint(&self, mark: Savepoint) -> Result<(), StoreError> {
+        self.run(|c| c.client.batch_execute(mark.release_sql()).map_err(map_err))
     }
 }
-
-/// The savepoint of [`Transaction::savepoint`]: one name, so a second one
-/// nests, and a rollback returns to the latest.
-const SQL_SAVEPOINT: &str = "SAVEPOINT idem_action";
-const SQL_ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_action";
 
 storage_over!(PostgresTransaction, run);
 
@@ -1000,6 +996,25 @@ pub trait RunInTransaction {
         request: &BeginRequest,
         action: impl FnOnce(&Ticket, &mut Client) -> ActionResult,
     ) -> Result<RunOutcome, Error>;
+
+    /// [`RunInTransaction::run_in_one_transaction`] for a batch of
+    /// requests in one transaction, one commit for all
+    /// ([`Engine::run_batch_with_one_transaction`]): `action` gets each
+    /// executed request's index in `requests`. A request that ends in an
+    /// error is undone alone, its slot holds the error, and the others
+    /// commit. Keep the batch bounded and its actions short: the
+    /// transaction holds each claimed key's index entry, so two batches that claim the same keys in opposite orders can deadlock; PostgreSQL then fails one request of one batch, which is answered as that request's error until it ends.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongStorage`] when the engine's storage is not a
+    /// [`PostgresStore`]. Opening or committing the transaction, or a transaction
+    /// that can no longer be used: nothing of the batch is kept.
+    fn run_batch_in_one_transaction(
+        &self,
+        requests: &[BeginRequest],
+        action: impl FnMut(usize, &Ticket, &mut Client) -> ActionResult,
+    ) -> Result<Vec<Result<RunOutcome, Error>>, Error>;
 }
 
 /// The engine's own store, for its business transactions.
@@ -1033,6 +1048,20 @@ impl RunInTransaction for Engine {
             request,
             || store.begin_transaction(),
             |ticket, tx| tx.with_connection(|client| action(ticket, client)),
+        )
+    }
+
+    fn run_batch_in_one_transaction(
+        &self,
+        requests: &[BeginRequest],
+        mut action: impl FnMut(usize, &Ticket, &mut Client) -> ActionResult,
+    ) -> Result<Vec<Result<RunOutcome, Error>>, Error> {
+        let store = own_store(self)?;
+        self.run_batch_with_one_transaction(
+            requests,
+            || store.begin_transaction(),
+            |index, ticket, tx| tx.with_connection(|client| action(index, ticket, client)),
+            BatchErrors::SkipRequest,
         )
     }
 }

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use idem_engine::testing::{BIZ, T0, candidate, insert, insert_with, key, rich_record};
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome};
-use idem_engine::{Storage, StoreError};
+use idem_engine::{Savepoint, Storage, StoreError};
+use postgres::Client;
 
 use super::{PostgresOptions, PostgresStore, map_err};
 
@@ -876,7 +877,7 @@ fn pg_rollback_to_savepoint_undoes_only_what_came_after_it_even_an_aborted_state
     let orders = orders_table(&t);
     let tx = store.begin_transaction().unwrap();
     let claim = insert(&tx, &candidate(key("k")));
-    tx.savepoint().unwrap();
+    tx.savepoint(Savepoint::Action).unwrap();
     tx.with_connection(|c| c.execute(&format!("INSERT INTO {orders} VALUES ('o-1', 100)"), &[]))
         .unwrap()
         .unwrap();
@@ -887,12 +888,42 @@ fn pg_rollback_to_savepoint_undoes_only_what_came_after_it_even_an_aborted_state
             .unwrap()
             .is_err()
     );
-    tx.rollback_to_savepoint().unwrap();
+    tx.rollback_to_savepoint(Savepoint::Action).unwrap();
     let done = succeeded(&claim);
     assert_eq!(tx.compare_and_swap(1, &done).unwrap(), SwapOutcome::Swapped);
     tx.commit().unwrap();
     assert_eq!(store.get(&key("k")).unwrap(), Some(done));
     assert_eq!(order_count(&t, &orders), 0);
+}
+
+#[test]
+fn pg_savepoints_nest_and_a_release_keeps_what_was_written() {
+    use idem_engine::Transaction as _;
+    let Some(t) = TestSchema::new() else { return };
+    let store = t.store();
+    let orders = orders_table(&t);
+    let order = |id: &str| {
+        let sql = format!("INSERT INTO {orders} VALUES ('{id}', 1)");
+        move |c: &mut Client| c.execute(&sql, &[]).map(drop)
+    };
+    let tx = store.begin_transaction().unwrap();
+    // A request that is kept: its marks are released, its writes stay.
+    tx.savepoint(Savepoint::Request).unwrap();
+    insert(&tx, &candidate(key("kept")));
+    tx.savepoint(Savepoint::Action).unwrap();
+    tx.with_connection(order("o-kept")).unwrap().unwrap();
+    tx.release_savepoint(Savepoint::Request).unwrap();
+    // A request that is undone: back to its own mark, past its action's.
+    tx.savepoint(Savepoint::Request).unwrap();
+    insert(&tx, &candidate(key("undone")));
+    tx.savepoint(Savepoint::Action).unwrap();
+    tx.with_connection(order("o-undone")).unwrap().unwrap();
+    tx.rollback_to_savepoint(Savepoint::Request).unwrap();
+    tx.release_savepoint(Savepoint::Request).unwrap();
+    tx.commit().unwrap();
+    assert!(store.get(&key("kept")).unwrap().is_some());
+    assert_eq!(store.get(&key("undone")).unwrap(), None);
+    assert_eq!(order_count(&t, &orders), 1);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! and the p99 of the time from a delivery's arrival to its settlement.
 //!
 //! ```text
-//! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [--consumers N] [--smoke]
+//! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [--consumers N] [--only MODE,...] [--smoke]
 //! ```
 
 use std::sync::{Arc, Mutex};
@@ -59,55 +59,54 @@ async fn main() -> Result<()> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
 
-    let bare = run("bare", &conn, &producer, messages, consumers, Mode::Bare).await?;
-    let idem = run("idem", &conn, &producer, messages, consumers, Mode::Idem).await?;
+    let only: Option<Vec<String>> = args
+        .iter()
+        .position(|a| a == "--only")
+        .map(|i| -> Result<Vec<String>> {
+            Ok(args
+                .get(i + 1)
+                .context("--only MODE[,MODE]")?
+                .split(',')
+                .map(str::to_owned)
+                .collect())
+        })
+        .transpose()?;
+    let modes: Vec<Mode> = match &only {
+        None => Mode::MEASURED.to_vec(),
+        Some(names) => names
+            .iter()
+            .map(|n| {
+                Mode::MEASURED
+                    .into_iter()
+                    .find(|m| m.name() == n)
+                    .with_context(|| format!("--only: no mode {n:?}"))
+            })
+            .collect::<Result<_>>()?,
+    };
     println!(
-        "rabbitmq, {consumers} consumers, {messages} messages: bare {:.0} msg/s (p99 {:?}), \
-         idem on SQLite {:.0} msg/s (p99 {:?}), ratio {:.2}",
-        bare.rate,
-        bare.p99,
-        idem.rate,
-        idem.p99,
-        idem.rate / bare.rate
+        "rabbitmq, {consumers} consumers, {messages} messages per mode, idem on SQLite; \
+         CPU per message from /proc (this process / beam.smp)"
     );
-    println!(
-        "  CPU per message: consumer process bare {:.1} us, idem {:.1} us; broker (beam.smp) bare {:.1} us, idem {:.1} us",
-        bare.cpu_us, idem.cpu_us, bare.broker_cpu_us, idem.broker_cpu_us
-    );
-    // With a business row per message, written with the outcome: the claim
-    // committed first, or everything in one transaction.
-    let first = run(
-        "claim-first",
-        &conn,
-        &producer,
-        messages,
-        consumers,
-        Mode::ClaimFirst,
-    )
-    .await?;
-    let one = run(
-        "one-tx",
-        &conn,
-        &producer,
-        messages,
-        consumers,
-        Mode::OneTransaction,
-    )
-    .await?;
-    println!(
-        "  with a business row per message: claim first (run_in_transaction) {:.0} msg/s (p99 {:?}, ratio {:.2}, \
-         consumer CPU {:.1} us), one transaction (run_in_one_transaction) {:.0} msg/s (p99 {:?}, ratio {:.2}, \
-         consumer CPU {:.1} us); one transaction / claim first {:.2}",
-        first.rate,
-        first.p99,
-        first.rate / bare.rate,
-        first.cpu_us,
-        one.rate,
-        one.p99,
-        one.rate / bare.rate,
-        one.cpu_us,
-        one.rate / first.rate
-    );
+    let bare = run(&conn, &producer, messages, consumers, Mode::Bare).await?;
+    bare.print(Mode::Bare, &bare);
+    let mut measured = Vec::new();
+    for mode in modes {
+        let figures = run(&conn, &producer, messages, consumers, mode).await?;
+        figures.print(mode, &bare);
+        measured.push((mode, figures));
+    }
+    let rate = |mode| {
+        measured
+            .iter()
+            .find(|(m, _)| *m == mode)
+            .map(|(_, f)| f.rate)
+    };
+    if let (Some(first), Some(one)) = (rate(Mode::ClaimFirst), rate(Mode::OneTransaction)) {
+        println!("  one-tx / claim-first: {:.2}", one / first);
+    }
+    if let (Some(one), Some(batch)) = (rate(Mode::OneTransaction), rate(Mode::Batch)) {
+        println!("  batch / one-tx: {:.2}", batch / one);
+    }
     Ok(())
 }
 
@@ -124,6 +123,42 @@ enum Mode {
     /// `run_blocking` with `run_in_one_transaction`: the claim, the row and
     /// the outcome commit together.
     OneTransaction,
+    /// `run_batch_blocking` with `run_batch_in_one_transaction`: the
+    /// deliveries that have arrived (up to the prefetch) commit their
+    /// claims, rows and outcomes together, once.
+    Batch,
+}
+
+impl Mode {
+    /// The modes measured against [`Mode::Bare`], in order.
+    const MEASURED: [Mode; 4] = [
+        Mode::Idem,
+        Mode::ClaimFirst,
+        Mode::OneTransaction,
+        Mode::Batch,
+    ];
+
+    /// The mode's name, for `--only` and the output.
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Bare => "bare",
+            Mode::Idem => "idem",
+            Mode::ClaimFirst => "claim-first",
+            Mode::OneTransaction => "one-tx",
+            Mode::Batch => "batch",
+        }
+    }
+
+    /// What the mode does, for the output.
+    fn what(self) -> &'static str {
+        match self {
+            Mode::Bare => "ack only, no idem",
+            Mode::Idem => "run, a no-op handler",
+            Mode::ClaimFirst => "a business row, run_in_transaction",
+            Mode::OneTransaction => "a business row, run_in_one_transaction",
+            Mode::Batch => "a business row, run_batch_in_one_transaction",
+        }
+    }
 }
 
 /// One run's figures.
@@ -138,16 +173,32 @@ struct Figures {
     broker_cpu_us: f64,
 }
 
+impl Figures {
+    /// One line: the rate, its ratio to `bare`, the p99 and the CPU.
+    fn print(&self, mode: Mode, bare: &Figures) {
+        println!(
+            "  {:<12} {:>7.0} msg/s  ratio {:.2}  p99 {:>9.2?}  CPU/msg {:>6.1} us / {:>5.1} us  ({})",
+            mode.name(),
+            self.rate,
+            self.rate / bare.rate,
+            self.p99,
+            self.cpu_us,
+            self.broker_cpu_us,
+            mode.what()
+        );
+    }
+}
+
 /// Publishes `messages` to a fresh queue, then consumes them with
 /// `consumers` consumers; returns its [`Figures`].
 async fn run(
-    name: &str,
     conn: &Connection,
     producer: &Channel,
     messages: usize,
     consumers: usize,
     mode: Mode,
 ) -> Result<Figures> {
+    let name = mode.name();
     let queue = format!("idem-bench-{name}-{}", std::process::id());
     let topology = Topology::declare(producer, &queue).await?;
     for i in 0..messages {
@@ -203,29 +254,51 @@ async fn run(
                     Ok(_) => ActionResult::Succeeded(Success::with_ref(id)),
                     Err(e) => ActionResult::retryable("db", e),
                 };
-                if mode == Mode::Idem {
-                    rabbit
-                        .run(
-                            |_m: Incoming| async { Ok::<_, idem_consumer::HandlerError>("done") },
-                            shutdown,
-                        )
-                        .await
-                } else {
-                    let one = mode == Mode::OneTransaction;
-                    rabbit
-                        .run_blocking(
-                            move |m: Incoming, engine: &Engine, request: &BeginRequest, _| {
-                                if one {
-                                    engine.run_in_one_transaction(request, |_, c| write(&m.id, c))
-                                } else {
-                                    engine.run_in_transaction(request, |_, c| write(&m.id, c))
-                                }
-                            },
-                            shutdown,
-                        )
-                        .await
-                }
-                .map_err(anyhow::Error::from)
+                let done = match mode {
+                    Mode::Bare | Mode::Idem => {
+                        rabbit
+                            .run(
+                                |_m: Incoming| async {
+                                    Ok::<_, idem_consumer::HandlerError>("done")
+                                },
+                                shutdown,
+                            )
+                            .await
+                    }
+                    Mode::Batch => {
+                        rabbit
+                            .run_batch_blocking(
+                                usize::from(DEFAULT_PREFETCH),
+                                move |ms: Vec<Incoming>,
+                                      engine: &Engine,
+                                      requests: &[BeginRequest],
+                                      _| {
+                                    engine.run_batch_in_one_transaction(requests, |i, _, c| {
+                                        write(&ms[i].id, c)
+                                    })
+                                },
+                                shutdown,
+                            )
+                            .await
+                    }
+                    Mode::ClaimFirst | Mode::OneTransaction => {
+                        let one = mode == Mode::OneTransaction;
+                        rabbit
+                            .run_blocking(
+                                move |m: Incoming, engine: &Engine, request: &BeginRequest, _| {
+                                    if one {
+                                        engine
+                                            .run_in_one_transaction(request, |_, c| write(&m.id, c))
+                                    } else {
+                                        engine.run_in_transaction(request, |_, c| write(&m.id, c))
+                                    }
+                                },
+                                shutdown,
+                            )
+                            .await
+                    }
+                };
+                done.map_err(anyhow::Error::from)
             }));
         } else {
             let queue = queue.clone();

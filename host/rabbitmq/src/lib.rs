@@ -278,6 +278,11 @@ impl RabbitConsumer {
     /// A consumer of `topology.queue` on `channel` (which it puts in
     /// publisher-confirm mode with its prefetch), through `consumer`.
     ///
+    /// The channel MUST be this consumer's alone: delivery tags are per
+    /// channel, and a run of acked deliveries is acked with one
+    /// `basic.ack` with `multiple`, which would also ack another
+    /// consumer's deliveries on the same channel.
+    ///
     /// # Errors
     ///
     /// RabbitMQ's.
@@ -384,6 +389,66 @@ impl RabbitConsumer {
         .await
     }
 
+    /// Like [`RabbitConsumer::run_blocking`], with the deliveries that have
+    /// already arrived handled together
+    /// ([`Consumer::handle_batch_blocking`]): typically a store's
+    /// `run_batch_in_one_transaction`, so that up to `max_batch`
+    /// deliveries (at most the prefetch, and at least 1) cost one commit.
+    /// It never waits for a batch to fill: a lone delivery is handled at
+    /// once. `handler` gets the batch's messages and the matching engine
+    /// requests, and answers one slot per request.
+    ///
+    /// # Errors
+    ///
+    /// As [`RabbitConsumer::run`].
+    pub async fn run_batch_blocking<H>(
+        &self,
+        max_batch: usize,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), AdapterError>
+    where
+        H: Fn(
+                Vec<Incoming>,
+                &Engine,
+                &[BeginRequest],
+                RetryBudget,
+            ) -> Result<Vec<Result<RunOutcome, EngineError>>, EngineError>
+            + Clone
+            + Send
+            + 'static,
+    {
+        let handler = &handler;
+        // A prefetch of 0 is RabbitMQ's "no limit".
+        let max_batch = match self.options.prefetch {
+            0 => max_batch.max(1),
+            prefetch => max_batch.clamp(1, usize::from(prefetch)),
+        };
+        self.consume_batches(
+            max_batch,
+            |incoming: Vec<Incoming>| async move {
+                let scope = self.scope();
+                let messages: Vec<Message<'_>> = incoming
+                    .iter()
+                    .map(|i| Message {
+                        id: &i.id,
+                        scope,
+                        body: &i.body,
+                    })
+                    .collect();
+                let handler = handler.clone();
+                let owned = incoming.clone();
+                self.consumer
+                    .handle_batch_blocking(&messages, move |engine, requests, budget| {
+                        handler(owned, engine, requests, budget)
+                    })
+                    .await
+            },
+            shutdown,
+        )
+        .await
+    }
+
     fn scope(&self) -> &str {
         self.options
             .scope
@@ -391,8 +456,8 @@ impl RabbitConsumer {
             .unwrap_or(&self.topology.queue)
     }
 
-    /// The consume loop: `decide` says what to do with each delivery that
-    /// has an id; this carries it out.
+    /// The consume loop, one delivery at a time: `decide` says what to do
+    /// with each delivery that has an id; this carries it out.
     async fn consume<D, DFut>(
         &self,
         decide: D,
@@ -401,6 +466,34 @@ impl RabbitConsumer {
     where
         D: Fn(Incoming) -> DFut,
         DFut: Future<Output = Result<Verdict, ConsumerError>>,
+    {
+        let decide = &decide;
+        self.consume_batches(
+            1,
+            |mut batch: Vec<Incoming>| async move {
+                match batch.pop() {
+                    Some(incoming) => Ok(vec![decide(incoming).await]),
+                    None => Ok(Vec::new()),
+                }
+            },
+            shutdown,
+        )
+        .await
+    }
+
+    /// The consume loop: waits for a delivery, takes up to `max_batch - 1`
+    /// more that have already arrived (it never waits for a batch to
+    /// fill), lets `decide` say what to do with those that have an id,
+    /// and carries out each verdict in delivery order.
+    async fn consume_batches<D, DFut>(
+        &self,
+        max_batch: usize,
+        decide: D,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), AdapterError>
+    where
+        D: Fn(Vec<Incoming>) -> DFut,
+        DFut: Future<Output = Result<Vec<Result<Verdict, ConsumerError>>, ConsumerError>>,
     {
         let mut deliveries = self
             .channel
@@ -412,40 +505,98 @@ impl RabbitConsumer {
             )
             .await?;
         let mut shutdown = std::pin::pin!(shutdown);
+        let mut batch = Vec::with_capacity(max_batch);
         loop {
-            let delivery = tokio::select! {
+            let first = tokio::select! {
                 () = &mut shutdown => return Ok(()),
                 next = deliveries.next() => match next {
                     Some(delivery) => delivery?,
                     None => return Ok(()),
                 },
             };
-            let arrived = std::time::Instant::now();
-            self.stats.count(&self.stats.delivered);
-            let id = match &self.options.message_id {
-                Some(derive) => derive(&delivery),
-                None => delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|id| id.as_str().to_owned()),
-            };
-            let Some(id) = id else {
-                let reason = DeadLetterReason::Invalid {
-                    message: "the message has no id: set its message_id property (or derive one with Options::message_id)".into(),
-                };
-                self.dead_letter(&delivery, &reason).await?;
-                self.observe("dead-lettered", arrived);
+            batch.push((first, std::time::Instant::now()));
+            while batch.len() < max_batch {
+                match futures_lite::future::poll_once(deliveries.next()).await {
+                    Some(Some(delivery)) => batch.push((delivery?, std::time::Instant::now())),
+                    // Nothing more has arrived, or the stream ended (seen
+                    // again at the top of the loop).
+                    Some(None) | None => break,
+                }
+            }
+            let mut keyed = Vec::with_capacity(batch.len());
+            let mut incoming = Vec::with_capacity(batch.len());
+            for (delivery, arrived) in batch.drain(..) {
+                self.stats.count(&self.stats.delivered);
+                match self.message_id(&delivery) {
+                    Some(id) => {
+                        incoming.push(Incoming {
+                            id: id.clone(),
+                            body: delivery.data.clone(),
+                            redelivered: delivery.redelivered,
+                        });
+                        keyed.push((delivery, arrived, id));
+                    }
+                    None => {
+                        let reason = DeadLetterReason::Invalid {
+                            message: "the message has no id: set its message_id property (or derive one with Options::message_id)".into(),
+                        };
+                        self.dead_letter(&delivery, &reason).await?;
+                        self.observe("dead-lettered", arrived);
+                    }
+                }
+            }
+            if keyed.is_empty() {
                 continue;
-            };
-            let verdict = decide(Incoming {
-                id: id.clone(),
-                body: delivery.data.clone(),
-                redelivered: delivery.redelivered,
-            })
-            .await;
-            let done = self.carry_out(&delivery, &id, verdict).await?;
-            self.observe(done, arrived);
+            }
+            match decide(incoming).await {
+                Ok(verdicts) if verdicts.len() == keyed.len() => {
+                    // A run of acks is one ack of its last delivery with
+                    // `multiple`: every delivery before it on this channel is
+                    // settled by then (this loop settles them in order).
+                    let mut acks: Vec<(&'static str, &AtomicU64, std::time::Instant)> = Vec::new();
+                    let mut last_ack = None;
+                    for ((delivery, arrived, id), verdict) in keyed.iter().zip(verdicts) {
+                        if let Ok(Verdict::Ack(acked)) = verdict {
+                            let (counter, done) = self.acked(acked);
+                            acks.push((done, counter, *arrived));
+                            last_ack = Some(delivery);
+                            continue;
+                        }
+                        self.ack_up_to(last_ack.take(), &mut acks).await?;
+                        let done = self.carry_out(delivery, id, verdict).await?;
+                        self.observe(done, *arrived);
+                    }
+                    self.ack_up_to(last_ack, &mut acks).await?;
+                }
+                answer => {
+                    // The batch as a whole failed: nothing of it was kept,
+                    // and every delivery is retried.
+                    let error = match answer {
+                        Err(e) => e.to_string(),
+                        Ok(verdicts) => format!(
+                            "{} deliveries were answered with {} verdicts",
+                            keyed.len(),
+                            verdicts.len()
+                        ),
+                    };
+                    for (delivery, arrived, id) in keyed {
+                        let done = self.store_error(&delivery, &id, &error).await?;
+                        self.observe(done, arrived);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The delivery's message id: derived, or its `message_id` property.
+    fn message_id(&self, delivery: &Delivery) -> Option<String> {
+        match &self.options.message_id {
+            Some(derive) => derive(delivery),
+            None => delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.as_str().to_owned()),
         }
     }
 
@@ -465,10 +616,7 @@ impl RabbitConsumer {
     ) -> Result<&'static str, AdapterError> {
         match verdict {
             Ok(Verdict::Ack(acked)) => {
-                let (counter, done) = match acked {
-                    Acked::Executed => (&self.stats.executed, "executed"),
-                    Acked::Duplicate => (&self.stats.duplicates, "duplicate"),
-                };
+                let (counter, done) = self.acked(acked);
                 delivery.ack(BasicAckOptions::default()).await?;
                 self.stats.count(counter);
                 Ok(done)
@@ -483,13 +631,48 @@ impl RabbitConsumer {
                 self.dead_letter(delivery, &reason).await?;
                 Ok("dead-lettered")
             }
-            Err(e) => {
-                tracing::warn!(id, error = %e, "the store did not answer; the message is retried");
-                self.stats.count(&self.stats.store_errors);
-                self.retry(delivery, STORE_RETRY_DELAY).await?;
-                Ok("store-error")
-            }
+            Err(e) => self.store_error(delivery, id, &e).await,
         }
+    }
+
+    /// The counter and the [`OnSettled`] name of an acked delivery.
+    fn acked(&self, acked: Acked) -> (&AtomicU64, &'static str) {
+        match acked {
+            Acked::Executed => (&self.stats.executed, "executed"),
+            Acked::Duplicate => (&self.stats.duplicates, "duplicate"),
+        }
+    }
+
+    /// Acks `last` and every delivery before it on the channel, in one
+    /// `basic.ack` with `multiple`, then counts and observes `acks`.
+    async fn ack_up_to(
+        &self,
+        last: Option<&Delivery>,
+        acks: &mut Vec<(&'static str, &AtomicU64, std::time::Instant)>,
+    ) -> Result<(), AdapterError> {
+        let Some(last) = last else {
+            return Ok(());
+        };
+        last.ack(BasicAckOptions { multiple: true }).await?;
+        for (done, counter, arrived) in acks.drain(..) {
+            self.stats.count(counter);
+            self.observe(done, arrived);
+        }
+        Ok(())
+    }
+
+    /// Retries `delivery` after [`STORE_RETRY_DELAY`]: the engine could not
+    /// decide or store, so the delivery is never acked.
+    async fn store_error(
+        &self,
+        delivery: &Delivery,
+        id: &str,
+        error: &(dyn std::fmt::Display + Sync),
+    ) -> Result<&'static str, AdapterError> {
+        tracing::warn!(id, error = %error, "the store did not answer; the message is retried");
+        self.stats.count(&self.stats.store_errors);
+        self.retry(delivery, STORE_RETRY_DELAY).await?;
+        Ok("store-error")
     }
 
     /// Publishes a copy to the retry queue with `after` as its expiration,

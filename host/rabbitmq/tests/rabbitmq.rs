@@ -172,6 +172,31 @@ where
     H: Fn(Incoming) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<&'static str, HandlerError>> + Send,
 {
+    run_until_with(
+        queues,
+        consumers,
+        move |rabbit, shutdown| {
+            let handler = handler.clone();
+            tokio::spawn(async move { rabbit.run(handler, shutdown).await })
+        },
+        done,
+    )
+    .await
+}
+
+/// The shutdown signal a consumer task is given.
+type Shutdown = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// [`run_until`], with `spawn` starting each consumer's task.
+async fn run_until_with(
+    queues: &Queues,
+    consumers: Vec<Consumer>,
+    spawn: impl Fn(
+        RabbitConsumer,
+        Shutdown,
+    ) -> tokio::task::JoinHandle<Result<(), idem_rabbitmq::AdapterError>>,
+    done: impl Fn(&[Arc<Stats>]) -> bool,
+) -> Result<Vec<Arc<Stats>>> {
     let (stop, stopped) = watch::channel(false);
     let mut tasks = Vec::new();
     let mut stats = Vec::new();
@@ -185,14 +210,13 @@ where
         )
         .await?;
         stats.push(rabbit.stats());
-        let (handler, mut stopped) = (handler.clone(), stopped.clone());
-        tasks.push(tokio::spawn(async move {
-            rabbit
-                .run(handler, async move {
-                    let _ = stopped.wait_for(|s| *s).await;
-                })
-                .await
-        }));
+        let mut stopped = stopped.clone();
+        tasks.push(spawn(
+            rabbit,
+            Box::pin(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            }),
+        ));
     }
     let deadline = Instant::now() + DRAIN;
     while !done(&stats) {
@@ -275,6 +299,82 @@ async fn four_consumers_on_one_sqlite_file_take_each_message_once() -> Result<()
         })
         .collect::<Result<Vec<_>>>()?;
     let (queues, _, _) = thousand_published_twice("sqlite", consumers).await?;
+    queues.delete().await
+}
+
+/// Four consumers on one SQLite file, each handling the deliveries that
+/// have arrived in one transaction (`run_batch_in_one_transaction`), with
+/// a business row per message: 1,000 messages published twice, 1,000 rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_batching_consumers_write_each_message_once() -> Result<()> {
+    use idem_sqlite::RunInTransaction as _;
+    const MESSAGES: usize = 1_000;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("idem.db");
+    rusqlite::Connection::open(&path)?
+        .execute_batch("CREATE TABLE orders (idem_key TEXT NOT NULL)")?;
+    let consumers = (0..4)
+        .map(|_| {
+            let store = idem_sqlite::SqliteStore::open(&path, Default::default())?;
+            consumer_on(store, ConsumerConfig::new("order.create"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let queues = Queues::new("batch").await?;
+    for i in 0..MESSAGES {
+        let body = format!("{{\"order\":{i}}}");
+        queues.publish(&format!("m-{i}"), body.as_bytes()).await?;
+        queues.publish(&format!("m-{i}"), body.as_bytes()).await?;
+    }
+    let largest = Arc::new(AtomicUsize::new(0));
+    let seen = largest.clone();
+    let stats = run_until_with(
+        &queues,
+        consumers,
+        move |rabbit, shutdown| {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                rabbit
+                    .run_batch_blocking(
+                        usize::from(idem_rabbitmq::DEFAULT_PREFETCH),
+                        move |batch: Vec<Incoming>, engine: &Engine, requests, _| {
+                            seen.fetch_max(batch.len(), Ordering::Relaxed);
+                            engine.run_batch_in_one_transaction(requests, |i, _, conn| {
+                                match conn.execute("INSERT INTO orders VALUES (?1)", [&batch[i].id])
+                                {
+                                    Ok(_) => idem_engine::ActionResult::Succeeded(
+                                        idem_engine::Success::with_ref(&batch[i].id),
+                                    ),
+                                    Err(e) => idem_engine::ActionResult::retryable("db", e),
+                                }
+                            })
+                        },
+                        shutdown,
+                    )
+                    .await
+            })
+        },
+        |s| total(s, |s| &s.executed) + total(s, |s| &s.duplicates) >= 2 * MESSAGES as u64,
+    )
+    .await?;
+    let (rows, distinct): (i64, i64) = rusqlite::Connection::open(&path)?.query_row(
+        "SELECT count(*), count(DISTINCT idem_key) FROM orders",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    ensure!(
+        rows == MESSAGES as i64 && distinct == rows,
+        "rows {rows}, distinct {distinct}"
+    );
+    ensure!(total(&stats, |s| &s.executed) == MESSAGES as u64);
+    ensure!(total(&stats, |s| &s.duplicates) == MESSAGES as u64);
+    ensure!(total(&stats, |s| &s.dead_lettered) == 0);
+    ensure!(queues.ready(&queues.topology.queue).await? == 0);
+    let largest = largest.load(Ordering::Relaxed);
+    ensure!(largest > 1, "the deliveries were never batched");
+    println!(
+        "batch: {MESSAGES} messages published twice, {} deliveries, {rows} rows, largest batch {largest}",
+        total(&stats, |s| &s.delivered),
+    );
     queues.delete().await
 }
 

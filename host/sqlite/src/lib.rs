@@ -29,7 +29,8 @@ use idem_engine::store::sql::{
 };
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
-    ActionResult, BeginRequest, Engine, Error, RunOutcome, Storage, StoreError, Ticket, Transaction,
+    ActionResult, BatchErrors, BeginRequest, Engine, Error, RunOutcome, Savepoint, Storage,
+    StoreError, Ticket, Transaction,
 };
 
 /// The schema, one entry per version. Entry `i` moves the database from
@@ -383,7 +384,7 @@ struct Turns {
 
 impl Turns {
     /// Waits at most `timeout` for the turn; `None` when it did not come.
-    fn take(&self, timeout: Duration) -> Option<Turn<'_>> {
+    fn take(self: &Arc<Self>, timeout: Duration) -> Option<Turn> {
         let deadline = Instant::now() + timeout;
         let mut busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
         while *busy {
@@ -398,14 +399,14 @@ impl Turns {
                 .0;
         }
         *busy = true;
-        Some(Turn(self))
+        Some(Turn(self.clone()))
     }
 }
 
 /// A writer's turn; the next writer's when dropped.
-struct Turn<'a>(&'a Turns);
+struct Turn(Arc<Turns>);
 
-impl Drop for Turn<'_> {
+impl Drop for Turn {
     fn drop(&mut self) {
         *self.0.busy.lock().unwrap_or_else(PoisonError::into_inner) = false;
         self.0.free.notify_one();
@@ -421,7 +422,7 @@ struct Inner {
     /// The write queue, when group commit is on.
     group: Option<GroupCommit>,
     /// The turn of this store's write transactions ([`SqliteStore::write`]).
-    writers: Turns,
+    writers: Arc<Turns>,
     /// How long a write waits for its turn, as for SQLite's own lock.
     busy_timeout: Duration,
 }
@@ -488,7 +489,7 @@ impl SqliteStore {
                 pool,
                 path,
                 group: options.group_commit.then(GroupCommit::default),
-                writers: Turns::default(),
+                writers: Arc::default(),
                 busy_timeout: options.busy_timeout,
             }),
         })
@@ -521,12 +522,32 @@ impl SqliteStore {
     /// [`SqliteTransaction::with_connection`], so that both commit or roll
     /// back together. It holds SQLite's write lock until it ends: other
     /// writers, in this process or others, wait up to the busy timeout.
+    ///
+    /// It takes the store's write turn first ([`SqliteStore::write`]), and
+    /// holds it until it ends: a write of this store made meanwhile outside
+    /// the transaction waits for it, at most the busy timeout.
     pub fn begin_transaction(&self) -> Result<SqliteTransaction, StoreError> {
+        let turn = self.turn()?;
         let conn = self.checkout()?;
         run_statement(&conn, SQL_BEGIN)?;
         Ok(SqliteTransaction {
             conn: TransactionSlot::new(conn),
+            _turn: turn,
         })
+    }
+
+    /// This store's write turn, waiting at most the busy timeout.
+    fn turn(&self) -> Result<Turn, StoreError> {
+        self.inner
+            .writers
+            .take(self.inner.busy_timeout)
+            .ok_or_else(|| {
+                StoreError::Unavailable(format!(
+                    "no turn to write within the busy timeout of {:?}: other writes of this \
+                     process held the database",
+                    self.inner.busy_timeout
+                ))
+            })
     }
 
     fn checkout(&self) -> Result<PooledConnection, StoreError> {
@@ -560,17 +581,7 @@ impl SqliteStore {
         &self,
         op: impl FnOnce(&Connection) -> Result<R, StoreError>,
     ) -> Result<R, StoreError> {
-        let _turn = self
-            .inner
-            .writers
-            .take(self.inner.busy_timeout)
-            .ok_or_else(|| {
-                StoreError::Unavailable(format!(
-                    "no turn to write within the busy timeout of {:?}: other writes of this \
-                     process held the database",
-                    self.inner.busy_timeout
-                ))
-            })?;
+        let _turn = self.turn()?;
         let conn = self.checkout()?;
         run_statement(&conn, SQL_BEGIN)?;
         let out = op(&conn).and_then(|out| run_statement(&conn, SQL_COMMIT).map(|()| out));
@@ -674,6 +685,9 @@ impl Storage for SqliteStore {
 /// back; the connection always returns to the pool outside any transaction.
 pub struct SqliteTransaction {
     conn: TransactionSlot<PooledConnection>,
+    /// The store's write turn, handed on after the connection is back in
+    /// the pool (fields drop in order).
+    _turn: Turn,
 }
 
 impl fmt::Debug for SqliteTransaction {
@@ -758,19 +772,18 @@ impl Transaction for SqliteTransaction {
         SqliteTransaction::rollback(self)
     }
 
-    fn savepoint(&self) -> Result<(), StoreError> {
-        self.run(|conn| run_statement(conn, SQL_SAVEPOINT))
+    fn savepoint(&self, mark: Savepoint) -> Result<(), StoreError> {
+        self.run(|conn| run_statement(conn, mark.take_sql()))
     }
 
-    fn rollback_to_savepoint(&self) -> Result<(), StoreError> {
-        self.run(|conn| run_statement(conn, SQL_ROLLBACK_TO_SAVEPOINT))
+    fn rollback_to_savepoint(&self, mark: Savepoint) -> Result<(), StoreError> {
+        self.run(|conn| run_statement(conn, mark.rollback_sql()))
+    }
+
+    fn release_savepoint(&self, mark: Savepoint) -> Result<(), StoreError> {
+        self.run(|conn| run_statement(conn, mark.release_sql()))
     }
 }
-
-/// The savepoint of [`Transaction::savepoint`]: one name, so a second one
-/// nests, and a rollback returns to the latest.
-const SQL_SAVEPOINT: &str = "SAVEPOINT idem_action";
-const SQL_ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO idem_action";
 
 /// Business transactions on an [`Engine`] built on a [`SqliteStore`], for
 /// business data in the engine's own database.
@@ -807,6 +820,25 @@ pub trait RunInTransaction {
         request: &BeginRequest,
         action: impl FnOnce(&Ticket, &Connection) -> ActionResult,
     ) -> Result<RunOutcome, Error>;
+
+    /// [`RunInTransaction::run_in_one_transaction`] for a batch of
+    /// requests in one transaction, one commit for all
+    /// ([`Engine::run_batch_with_one_transaction`]): `action` gets each
+    /// executed request's index in `requests`. A request that ends in an
+    /// error is undone alone, its slot holds the error, and the others
+    /// commit. Keep the batch bounded and its actions short: the
+    /// transaction holds the database's write lock until it ends.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongStorage`] when the engine's storage is not a
+    /// [`SqliteStore`]. Opening or committing the transaction, or a transaction
+    /// that can no longer be used: nothing of the batch is kept.
+    fn run_batch_in_one_transaction(
+        &self,
+        requests: &[BeginRequest],
+        action: impl FnMut(usize, &Ticket, &Connection) -> ActionResult,
+    ) -> Result<Vec<Result<RunOutcome, Error>>, Error>;
 }
 
 /// The engine's own store, for its business transactions.
@@ -840,6 +872,20 @@ impl RunInTransaction for Engine {
             request,
             || store.begin_transaction(),
             |ticket, tx| tx.with_connection(|conn| action(ticket, conn)),
+        )
+    }
+
+    fn run_batch_in_one_transaction(
+        &self,
+        requests: &[BeginRequest],
+        mut action: impl FnMut(usize, &Ticket, &Connection) -> ActionResult,
+    ) -> Result<Vec<Result<RunOutcome, Error>>, Error> {
+        let store = own_store(self)?;
+        self.run_batch_with_one_transaction(
+            requests,
+            || store.begin_transaction(),
+            |index, ticket, tx| tx.with_connection(|conn| action(index, ticket, conn)),
+            BatchErrors::SkipRequest,
         )
     }
 }

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use idem_engine::testing::{BIZ, T0, candidate, insert, insert_with, key, rich_record};
 use idem_engine::types::{InsertOutcome, RecordKey, Status, SwapOutcome};
-use idem_engine::{Storage, StoreError};
+use idem_engine::{Savepoint, Storage, StoreError};
+use rusqlite::Connection;
 
 use super::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous};
 
@@ -233,7 +234,7 @@ fn sqlite_rollback_to_savepoint_undoes_only_what_came_after_it() {
     business_table(&store);
     let tx = store.begin_transaction().unwrap();
     let claim = insert(&tx, &candidate(key("k")));
-    tx.savepoint().unwrap();
+    tx.savepoint(Savepoint::Action).unwrap();
     tx.with_connection(|c| c.execute("INSERT INTO orders VALUES ('o-1', 100)", []))
         .unwrap()
         .unwrap();
@@ -243,7 +244,7 @@ fn sqlite_rollback_to_savepoint_undoes_only_what_came_after_it() {
             .unwrap()
             .is_err()
     );
-    tx.rollback_to_savepoint().unwrap();
+    tx.rollback_to_savepoint(Savepoint::Action).unwrap();
     let mut done = claim.clone();
     done.status = Status::Failed;
     done.revision = 2;
@@ -251,6 +252,40 @@ fn sqlite_rollback_to_savepoint_undoes_only_what_came_after_it() {
     tx.commit().unwrap();
     assert_eq!(store.get(&key("k")).unwrap(), Some(done));
     assert_eq!(order_count(&store), 0);
+}
+
+#[test]
+fn sqlite_savepoints_nest_and_a_release_keeps_what_was_written() {
+    use idem_engine::Transaction as _;
+    let (_dir, store) = sqlite_store();
+    business_table(&store);
+    let order = |id: &str| {
+        let sql = format!("INSERT INTO orders VALUES ('{id}', 1)");
+        move |c: &Connection| c.execute(&sql, []).map(drop)
+    };
+    let tx = store.begin_transaction().unwrap();
+    // A request that is kept: its marks are released, its writes stay.
+    tx.savepoint(Savepoint::Request).unwrap();
+    insert(&tx, &candidate(key("kept")));
+    tx.savepoint(Savepoint::Action).unwrap();
+    tx.with_connection(order("o-kept")).unwrap().unwrap();
+    tx.release_savepoint(Savepoint::Request).unwrap();
+    // A request that is undone: back to its own mark, past its action's.
+    tx.savepoint(Savepoint::Request).unwrap();
+    insert(&tx, &candidate(key("undone")));
+    tx.savepoint(Savepoint::Action).unwrap();
+    tx.with_connection(order("o-undone")).unwrap().unwrap();
+    tx.rollback_to_savepoint(Savepoint::Request).unwrap();
+    tx.release_savepoint(Savepoint::Request).unwrap();
+    // Both marks are gone now.
+    assert!(matches!(
+        tx.rollback_to_savepoint(Savepoint::Action),
+        Err(StoreError::Internal(_))
+    ));
+    tx.commit().unwrap();
+    assert!(store.get(&key("kept")).unwrap().is_some());
+    assert_eq!(store.get(&key("undone")).unwrap(), None);
+    assert_eq!(order_count(&store), 1);
 }
 
 #[test]
