@@ -278,10 +278,10 @@ impl RabbitConsumer {
     /// A consumer of `topology.queue` on `channel` (which it puts in
     /// publisher-confirm mode with its prefetch), through `consumer`.
     ///
-    /// The channel MUST be this consumer's alone: delivery tags are per
-    /// channel, and a run of acked deliveries is acked with one
-    /// `basic.ack` with `multiple`, which would also ack another
-    /// consumer's deliveries on the same channel.
+    /// With [`RabbitConsumer::run_batch_blocking`] the channel MUST be this
+    /// consumer's alone: delivery tags are per channel, and a run of acked
+    /// deliveries is acked with one `basic.ack` with `multiple`, which
+    /// would also ack another consumer's deliveries on the same channel.
     ///
     /// # Errors
     ///
@@ -396,7 +396,9 @@ impl RabbitConsumer {
     /// deliveries (at most the prefetch, and at least 1) cost one commit.
     /// It never waits for a batch to fill: a lone delivery is handled at
     /// once. `handler` gets the batch's messages and the matching engine
-    /// requests, and answers one slot per request.
+    /// requests, and answers one slot per request. A run of acked
+    /// deliveries is acked at once, so the channel MUST be this consumer's
+    /// alone ([`RabbitConsumer::new`]).
     ///
     /// # Errors
     ///
@@ -644,7 +646,9 @@ impl RabbitConsumer {
     }
 
     /// Acks `last` and every delivery before it on the channel, in one
-    /// `basic.ack` with `multiple`, then counts and observes `acks`.
+    /// `basic.ack` with `multiple` (a plain ack when `acks` holds one
+    /// delivery, so a consumer that handles one delivery at a time never
+    /// acks beyond it), then counts and observes `acks`.
     async fn ack_up_to(
         &self,
         last: Option<&Delivery>,
@@ -653,7 +657,10 @@ impl RabbitConsumer {
         let Some(last) = last else {
             return Ok(());
         };
-        last.ack(BasicAckOptions { multiple: true }).await?;
+        last.ack(BasicAckOptions {
+            multiple: acks.len() > 1,
+        })
+        .await?;
         for (done, counter, arrived) in acks.drain(..) {
             self.stats.count(counter);
             self.observe(done, arrived);
