@@ -523,7 +523,7 @@ impl SqliteStore {
     /// back together. It holds SQLite's write lock until it ends: other
     /// writers, in this process or others, wait up to the busy timeout.
     ///
-    /// It takes the store's write turn first ([`SqliteStore::write`]), and
+    /// It takes the store's write turn first, as the store's own writes do, and
     /// holds it until it ends: a write of this store made meanwhile outside
     /// the transaction waits for it, at most the busy timeout.
     pub fn begin_transaction(&self) -> Result<SqliteTransaction, StoreError> {

@@ -132,7 +132,7 @@ impl StaleCursor {
 }
 
 impl fmt::Display for StaleCursor {
-    /// `<updated_at>-<id>`, as [`StaleCursor::from_str`] reads it.
+    /// `<updated_at>-<id>`, as its [`FromStr`](std::str::FromStr) reads it.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}-{}", self.updated_at, self.id)
     }
