@@ -130,25 +130,21 @@ async fn batches<I: Send + 'static>(
 ) {
     let mut jobs = Vec::with_capacity(max_batch);
     while queue.recv_many(&mut jobs, max_batch).await > 0 {
-        let keyed: Vec<Message<'_>> = jobs
-            .iter()
-            .map(|job| Message {
-                id: &job.id,
-                scope: &job.scope,
-                body: &job.body,
-            })
-            .collect();
-        let requests: Vec<BeginRequest> = keyed.iter().map(|m| consumer.request(m)).collect();
-        drop(keyed);
         let mut answers = Vec::with_capacity(jobs.len());
         let mut items = Vec::with_capacity(jobs.len());
+        let mut owned = Vec::with_capacity(jobs.len());
         for job in jobs.drain(..) {
             answers.push(job.answer);
             items.push(job.item);
+            owned.push((job.id, job.scope, job.body));
         }
+        let keyed: Vec<Message<'_>> = owned
+            .iter()
+            .map(|(id, scope, body)| Message { id, scope, body })
+            .collect();
         let run = run.clone();
         let verdicts = consumer
-            .run_batch_blocking(requests, move |engine, requests, budget| {
+            .handle_batch_blocking(&keyed, move |engine, requests, budget| {
                 run(items, engine, requests, budget)
             })
             .await;

@@ -445,25 +445,7 @@ impl Consumer {
             + Send
             + 'static,
     {
-        let requests = messages.iter().map(|m| self.request(m)).collect();
-        self.run_batch_blocking(requests, run).await
-    }
-
-    /// [`Consumer::handle_batch_blocking`] with the requests made.
-    async fn run_batch_blocking<F>(
-        &self,
-        requests: Vec<BeginRequest>,
-        run: F,
-    ) -> Result<Vec<Result<Verdict, ConsumerError>>, ConsumerError>
-    where
-        F: FnOnce(
-                &Engine,
-                &[BeginRequest],
-                RetryBudget,
-            ) -> Result<Vec<Result<RunOutcome, Error>>, Error>
-            + Send
-            + 'static,
-    {
+        let requests: Vec<BeginRequest> = messages.iter().map(|m| self.request(m)).collect();
         let expected = requests.len();
         let engine = self.engine.clone();
         let budget = self.budget();
