@@ -574,6 +574,64 @@ async fn on_sqlite_over_a_real_connection_with_metrics() -> Result<()> {
     Ok(())
 }
 
+/// On SQLite with group commit, 40 keys sent 3 times each, all 120 requests
+/// at once: claims that find a group being written move to blocking
+/// threads and share the next group's commit; each key still runs once,
+/// its duplicates get its stored answer or 409, and every key replays
+/// afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_group_commit_concurrent_first_requests_run_once_per_key() -> Result<()> {
+    const KEYS: usize = 40;
+    let dir = tempfile::tempdir()?;
+    let options = idem::SqliteOptions {
+        group_commit: true,
+        ..Default::default()
+    };
+    let store = SqliteStore::open(dir.path().join("idem.db"), options)?;
+    let idem = IdempotencyLayer::new(engine(store)?, ProxyConfig::default())?;
+    let app = App::default();
+    let router = app.router().layer(idem.clone());
+    let mut calls = tokio::task::JoinSet::new();
+    for copy in 0..3 {
+        for k in 0..KEYS {
+            let router = router.clone();
+            calls.spawn(async move {
+                let key = format!("group-{k}");
+                let body = format!(r#"{{"sku":"{k}"}}"#);
+                (
+                    copy,
+                    k,
+                    send(&router, request("POST", "/orders", Some(&key), &body)).await,
+                )
+            });
+        }
+    }
+    let mut executed = vec![0usize; KEYS];
+    while let Some(joined) = calls.join_next().await {
+        let (_, k, answer) = joined?;
+        let answer = answer?;
+        match answer.status {
+            StatusCode::CREATED if !answer.replayed() => executed[k] += 1,
+            StatusCode::CREATED => {}
+            StatusCode::CONFLICT => assert_eq!(answer.problem_type(), "request-in-progress"),
+            other => panic!("key {k}: unexpected {other}: {}", answer.body),
+        }
+    }
+    assert_eq!(executed, vec![1; KEYS], "one execution per key");
+    assert_eq!(app.runs(), KEYS);
+    for k in 0..KEYS {
+        let body = format!(r#"{{"sku":"{k}"}}"#);
+        let key = format!("group-{k}");
+        let answer = send(&router, request("POST", "/orders", Some(&key), &body)).await?;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert!(answer.replayed(), "key {k} replays");
+        assert!(answer.body.ends_with(&format!(r#"{{"sku":"{k}"}}"#)));
+    }
+    assert_eq!(app.runs(), KEYS);
+    idem.finish().await;
+    Ok(())
+}
+
 /// `examples/axum_service.rs`, as the README tells a user to run it, checks
 /// its own answers: one order for a request, its retry and a changed
 /// request.

@@ -311,7 +311,15 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         Some(&grouped_config),
     )?;
     let compared = match &settings.compare_bin {
-        Some(other) => Some(serve(other, &dir.path().join("other.db"), up.addr, None)?),
+        Some(other) => Some((
+            serve(other, &dir.path().join("other.db"), up.addr, None)?,
+            serve(
+                other,
+                &dir.path().join("other-group.db"),
+                up.addr,
+                Some(&grouped_config),
+            )?,
+        )),
         None => None,
     };
     // The replayed key, completed by one connection before 32 replay it
@@ -331,11 +339,18 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         ("proxy, first requests", proxied, "new", 1),
         ("proxy, replays", proxied, "fixed", 1),
     ];
-    if let Some((_, other)) = &compared {
+    if let Some(((_, other), (_, other_grouped))) = &compared {
         wrk(&script, *other, (1, 1), "fixed", "warm")?;
         wrk(&script, *other, (1, CONNECTIONS), "new", "warm")?;
+        wrk(&script, *other_grouped, (1, CONNECTIONS), "new", "warm")?;
         kinds.extend([
             ("compared, first requests", *other, "new", CONNECTIONS),
+            (
+                "compared, first, grouped",
+                *other_grouped,
+                "new",
+                CONNECTIONS,
+            ),
             ("compared, replays", *other, "fixed", CONNECTIONS),
             ("compared, first requests", *other, "new", 1),
             ("compared, replays", *other, "fixed", 1),

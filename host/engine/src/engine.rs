@@ -396,6 +396,14 @@ impl Engine {
         ctx.storage.blocks_on_io() || ctx.results.blocks_on_io()
     }
 
+    /// Whether a call that writes would now wait for other callers' writes
+    /// ([`Storage::write_would_wait`]). Async hosts that run calls on the
+    /// calling thread (see [`Engine::blocks_on_io`]) move a call to a
+    /// blocking thread while this is true.
+    pub fn write_would_wait(&self) -> bool {
+        self.shared.ctx.storage.write_would_wait()
+    }
+
     /// The clock the engine reads.
     pub fn clock(&self) -> &dyn Clock {
         &*self.shared.ctx.clock

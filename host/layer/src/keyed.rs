@@ -107,9 +107,22 @@ impl Shared {
     /// the store answers in microseconds and the policy never makes the
     /// engine wait for another request (`in_progress = "wait"` polls,
     /// which would hold the thread that other requests, the first one's
-    /// included, need).
+    /// included, need), and no write would now wait for other callers'
+    /// writes ([`Engine::write_would_wait`]: with group commit, a claim
+    /// that waits on a blocking thread joins the next group, while one
+    /// that waited here would keep this thread's other requests, and
+    /// their writes, out of it).
     fn on_thread(&self, policy: &Policy) -> bool {
-        self.inline && matches!(policy.in_progress, InProgressMode::Reject)
+        self.inline
+            && matches!(policy.in_progress, InProgressMode::Reject)
+            && !self.engine.write_would_wait()
+    }
+
+    /// True when a call other than `begin` runs on the request's own
+    /// thread: the store answers in microseconds and no write would wait
+    /// for other callers' writes now.
+    fn settle_on_thread(&self) -> bool {
+        self.inline && !self.engine.write_would_wait()
     }
 
     /// Runs an engine call: on this thread when `on_thread` (see
@@ -468,7 +481,7 @@ impl Shared {
         for _ in 0..SETTLE_TRIES {
             let (t, p, o) = (held.ticket.clone(), held.policy.clone(), outcome.clone());
             let answer = self
-                .engine_call(self.inline, move |e| match &o {
+                .engine_call(self.settle_on_thread(), move |e| match &o {
                     Outcome::Complete(s) => e.complete(&t, &p, s),
                     Outcome::Fail(f, d) => e.fail(&t, &p, f, *d),
                 })
@@ -596,7 +609,7 @@ impl Shared {
                 () = &mut beat, if beating && extending.is_none() => {
                     let (t, p) = (ticket.clone(), policy.clone());
                     extending = Some(Box::pin(
-                        self.engine_call(self.inline, move |e| e.extend(&t, &p)),
+                        self.engine_call(self.settle_on_thread(), move |e| e.extend(&t, &p)),
                     ));
                 }
             }

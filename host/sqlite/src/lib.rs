@@ -16,6 +16,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -673,6 +674,14 @@ impl Storage for SqliteStore {
     fn blocks_on_io(&self) -> bool {
         false
     }
+
+    /// With group commit, while a group is being written.
+    fn write_would_wait(&self) -> bool {
+        self.inner
+            .group
+            .as_ref()
+            .is_some_and(|group| group.leading.load(Ordering::Relaxed))
+    }
 }
 
 /// A write transaction on one pooled connection, opened by
@@ -1318,6 +1327,8 @@ struct GroupQueue {
 #[derive(Default)]
 struct GroupCommit {
     queue: Mutex<GroupQueue>,
+    /// `queue.leading`, readable without the lock.
+    leading: AtomicBool,
 }
 
 impl GroupCommit {
@@ -1335,6 +1346,7 @@ impl GroupCommit {
         let lead = {
             let mut queue = self.lock();
             queue.waiting.push((write, Arc::clone(&slot)));
+            self.leading.store(true, Ordering::Relaxed);
             !std::mem::replace(&mut queue.leading, true)
         };
         if !lead && let SlotState::Done(result) = slot.wait() {
@@ -1386,7 +1398,10 @@ impl Drop for Handoff<'_> {
         let mut queue = self.0.lock();
         match queue.waiting.first() {
             Some((_, next)) => next.set(SlotState::Lead),
-            None => queue.leading = false,
+            None => {
+                queue.leading = false;
+                self.0.leading.store(false, Ordering::Relaxed);
+            }
         }
     }
 }

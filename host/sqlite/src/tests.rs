@@ -818,3 +818,37 @@ fn group_commit_failure_is_unavailable_and_stores_nothing() {
     let r = insert(&store, &candidate(key("fine")));
     assert_eq!(store.get(&key("fine")).unwrap(), Some(r));
 }
+
+/// While a group is being written, the store says a write would wait (the
+/// hint async hosts use to move a call off their event loop), and says so
+/// no longer once the group committed. Without group commit it never does.
+#[test]
+fn a_store_says_a_write_would_wait_while_a_group_is_written() {
+    let (_dir, store) = sqlite_group_store();
+    assert!(!store.write_would_wait());
+    // The leader of the next group blocks on the write turn held here.
+    let held = store.inner.writers.take(Duration::from_secs(1)).unwrap();
+    let leader = {
+        let store = store.clone();
+        thread::spawn(move || store.insert_if_absent(&candidate(key("k"))))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !store.write_would_wait() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leader never started its group"
+        );
+        thread::yield_now();
+    }
+    drop(held);
+    assert!(matches!(
+        leader.join().unwrap(),
+        Ok(InsertOutcome::Inserted(_))
+    ));
+    assert!(!store.write_would_wait());
+
+    let (_dir, plain) = sqlite_store();
+    let held = plain.inner.writers.take(Duration::from_secs(1)).unwrap();
+    assert!(!plain.write_would_wait());
+    drop(held);
+}

@@ -108,6 +108,19 @@ pub trait Storage: Send + Sync + 'static {
     fn blocks_on_io(&self) -> bool {
         true
     }
+
+    /// Whether a write asked now would wait for other callers' writes, as
+    /// a write of a store with group commit waits while another caller
+    /// commits a group. A store that answers `false` from
+    /// [`Storage::blocks_on_io`] may answer `true` here for a moment; async
+    /// hosts then run the call on a blocking thread, where its write joins
+    /// the next group instead of holding an event loop while it waits.
+    /// A hint: the answer may be stale by the time the call writes.
+    ///
+    /// The default is `false`.
+    fn write_would_wait(&self) -> bool {
+        false
+    }
 }
 
 /// Where a page of [`Storage::list_stale_after`] ended: the (`updated_at`,
