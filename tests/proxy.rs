@@ -879,22 +879,26 @@ fn expect_one_execution(answers: &[Resp]) -> Result<()> {
 }
 
 #[test]
-fn group_commit_keeps_one_execution_per_key() -> Result<()> {
-    // `group_commit = true`: concurrent claims and completions share
-    // SQLite transactions. Fifty duplicates of one key, then fifty distinct
-    // keys at once: one execution each, and every key replays afterwards.
-    let w = World::start(Some("group_commit = true"))?;
-    let answers = fifty_at_once(&w)?;
-    expect_total(&w.up, 1)?;
-    ensure!(
-        answers
-            .iter()
-            .filter(|r| r.status == 201 && !r.replayed())
-            .count()
-            == 1,
-        "one executed answer for the duplicated key"
-    );
-    fifty_keys_run_once(&w, "gc", 1)
+fn with_or_without_group_commit_each_key_runs_once() -> Result<()> {
+    // `group_commit = true` (the default): concurrent claims and
+    // completions share SQLite transactions; `false`: each has its own.
+    // Fifty duplicates of one key, then fifty distinct keys at once: one
+    // execution each, and every key replays afterwards.
+    for config in ["group_commit = true", "group_commit = false"] {
+        let w = World::start(Some(config))?;
+        let answers = fifty_at_once(&w)?;
+        expect_total(&w.up, 1)?;
+        ensure!(
+            answers
+                .iter()
+                .filter(|r| r.status == 201 && !r.replayed())
+                .count()
+                == 1,
+            "{config}: one executed answer for the duplicated key"
+        );
+        fifty_keys_run_once(&w, "gc", 1)?;
+    }
+    Ok(())
 }
 
 #[test]
