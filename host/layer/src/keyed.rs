@@ -118,9 +118,7 @@ impl Shared {
     /// that waited here would keep this thread's other requests, and
     /// their writes, out of it).
     fn on_thread(&self, policy: &Policy) -> bool {
-        self.inline
-            && matches!(policy.in_progress, InProgressMode::Reject)
-            && !self.engine.write_would_wait()
+        self.settle_on_thread() && matches!(policy.in_progress, InProgressMode::Reject)
     }
 
     /// True when a call other than `begin` runs on the request's own

@@ -1317,8 +1317,6 @@ impl Slot {
 #[derive(Default)]
 struct GroupQueue {
     waiting: Vec<(GroupWrite, Arc<Slot>)>,
-    /// True while some caller leads: it alone takes writes off the queue.
-    leading: bool,
 }
 
 /// Leader-based group commit: the first caller to find no leader writes
@@ -1327,7 +1325,9 @@ struct GroupQueue {
 #[derive(Default)]
 struct GroupCommit {
     queue: Mutex<GroupQueue>,
-    /// `queue.leading`, readable without the lock.
+    /// True while some caller leads: it alone takes writes off the queue.
+    /// Changed only under `queue`'s lock; read without it by
+    /// [`Storage::write_would_wait`].
     leading: AtomicBool,
 }
 
@@ -1346,8 +1346,7 @@ impl GroupCommit {
         let lead = {
             let mut queue = self.lock();
             queue.waiting.push((write, Arc::clone(&slot)));
-            self.leading.store(true, Ordering::Relaxed);
-            !std::mem::replace(&mut queue.leading, true)
+            !self.leading.swap(true, Ordering::Relaxed)
         };
         if !lead && let SlotState::Done(result) = slot.wait() {
             return *result;
@@ -1395,13 +1394,10 @@ struct Handoff<'a>(&'a GroupCommit);
 
 impl Drop for Handoff<'_> {
     fn drop(&mut self) {
-        let mut queue = self.0.lock();
+        let queue = self.0.lock();
         match queue.waiting.first() {
             Some((_, next)) => next.set(SlotState::Lead),
-            None => {
-                queue.leading = false;
-                self.0.leading.store(false, Ordering::Relaxed);
-            }
+            None => self.0.leading.store(false, Ordering::Relaxed),
         }
     }
 }
