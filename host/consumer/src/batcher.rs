@@ -248,23 +248,26 @@ mod tests {
             },
         );
         let capacity = batcher.jobs.max_capacity();
-        // Four messages, each delivered twice, all at once.
-        let tasks: Vec<_> = (0..DELIVERIES)
-            .map(|n| {
-                let batcher = batcher.clone();
-                tokio::spawn(async move {
-                    let id = format!("m-{}", n % 4);
-                    let message = Message {
-                        id: &id,
-                        scope: "orders-queue",
-                        body: b"{}",
-                    };
-                    batcher.handle(&message, id.clone()).await
-                })
+        let deliver = |n: usize| {
+            let batcher = batcher.clone();
+            tokio::spawn(async move {
+                let id = format!("m-{}", n % 4);
+                let message = Message {
+                    id: &id,
+                    scope: "orders-queue",
+                    body: b"{}",
+                };
+                batcher.handle(&message, id.clone()).await
             })
-            .collect();
+        };
+        // One delivery first, held in its batch; then the rest (four
+        // messages in all, each delivered twice), all at once, while it
+        // runs.
+        let mut tasks = vec![deliver(0)];
         until(|| !sizes.lock().expect("sizes").is_empty()).await;
+        tasks.extend((1..DELIVERIES).map(deliver));
         let first = sizes.lock().expect("sizes")[0];
+        assert_eq!(first, 1);
         until(|| batcher.jobs.capacity() == capacity - (DELIVERIES - first)).await;
         gate.open();
         let mut executed = 0;
