@@ -108,7 +108,7 @@ fn main() -> Result<()> {
 
 fn report(outcome: RunOutcome) {
     match outcome {
-        RunOutcome::Executed { ticket, result } => {
+        RunOutcome::Executed { ticket, result, .. } => {
             println!("   executed (attempt {}): {result:?}", ticket.attempt)
         }
         RunOutcome::LostOwnership { .. } => println!("   executed, but a newer owner took over"),

@@ -74,7 +74,10 @@ fn a_call_over_the_memory_limit_writes_nothing_and_the_next_call_works() -> Resu
             body: vec![b'x'; 1024 * 1024],
         }),
     };
-    ensure!(engine.complete(&t, &req.policy, &huge)? == idem::Completion::Recorded);
+    ensure!(
+        engine.complete(&t, &req.policy, &huge)?
+            == idem::Completion::Recorded(idem::Status::Succeeded)
+    );
     let mut rec = store.get(&big)?.expect("record");
     let before = rec.clone();
     rec.response.as_mut().expect("response").body = vec![b'x'; 8 * 1024 * 1024];

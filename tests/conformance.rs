@@ -74,7 +74,9 @@ fn success_is_replayed(h: &Harness) -> Result<()> {
         result_ref: Some("order-1001".into()),
         response: Some(response(r#"{"order":"order-1001"}"#)),
     };
-    ensure!(h.engine.complete(&t, &req.policy, &success)? == Completion::Recorded);
+    ensure!(
+        h.engine.complete(&t, &req.policy, &success)? == Completion::Recorded(Status::Succeeded)
+    );
     // The same logical JSON, another key order and spacing: still a replay.
     let again = request("k1", "{ \"qty\" : 2.0, \"sku\" : \"A1\" }");
     for _ in 0..3 {
@@ -166,7 +168,10 @@ fn stale_owner_is_fenced(h: &Harness) -> Result<()> {
     );
     ensure!(h.engine.extend(&old, p)? == Extension::LostOwnership);
     ensure!(status_of(h, "k1")? == Some(Status::Processing));
-    ensure!(h.engine.complete(&new, p, &Success::with_ref("fresh"))? == Completion::Recorded);
+    ensure!(
+        h.engine.complete(&new, p, &Success::with_ref("fresh"))?
+            == Completion::Recorded(Status::Succeeded)
+    );
     // The stale owner cannot overwrite the newer outcome either.
     ensure!(h.engine.complete(&old, p, &Success::with_ref("stale"))? == Completion::LostOwnership);
     match h.engine.begin(&req)? {
@@ -188,7 +193,10 @@ fn extend_keeps_the_key(h: &Harness) -> Result<()> {
     h.clock.set(t.lease_until + 5);
     ensure!(matches!(h.engine.begin(&req)?, Decision::InProgress(_)));
     // The extended owner still completes with its original ticket.
-    ensure!(h.engine.complete(&t, &req.policy, &Success::default())? == Completion::Recorded);
+    ensure!(
+        h.engine.complete(&t, &req.policy, &Success::default())?
+            == Completion::Recorded(Status::Succeeded)
+    );
     Ok(())
 }
 
@@ -199,7 +207,7 @@ fn late_owner_completes_when_nobody_took_over(h: &Harness) -> Result<()> {
     ensure!(
         h.engine
             .complete(&t, &req.policy, &Success::with_ref("late"))?
-            == Completion::Recorded
+            == Completion::Recorded(Status::Succeeded)
     );
     ensure!(matches!(h.engine.begin(&req)?, Decision::Replay(_)));
     Ok(())
@@ -354,7 +362,10 @@ fn final_failure_is_replayed(h: &Harness) -> Result<()> {
     let req = request("k1", "{}");
     let t = execute(h, &req)?;
     let f = failure("card-declined");
-    ensure!(h.engine.fail(&t, &req.policy, &f, Disposition::Final)? == Completion::Recorded);
+    ensure!(
+        h.engine.fail(&t, &req.policy, &f, Disposition::Final)?
+            == Completion::Recorded(Status::Failed)
+    );
     for _ in 0..2 {
         match h.engine.begin(&req)? {
             Decision::Failed(got) => ensure!(got == f, "{got:?}"),
@@ -374,7 +385,7 @@ fn retryable_failure_releases_the_key(h: &Harness) -> Result<()> {
             &req.policy,
             &failure("upstream-503"),
             Disposition::Retryable
-        )? == Completion::Recorded
+        )? == Completion::Recorded(Status::Released)
     );
     ensure!(status_of(h, "k1")? == Some(Status::Released));
     let t2 = execute(h, &req)?;
@@ -472,8 +483,8 @@ fn retried_complete_is_idempotent(h: &Harness) -> Result<()> {
     let req = request("k1", "{}");
     let t = execute(h, &req)?;
     let s = Success::with_ref("order-1");
-    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded);
-    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded);
+    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded(Status::Succeeded));
+    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded(Status::Succeeded));
     ensure!(
         h.engine
             .complete(&t, &req.policy, &Success::with_ref("other"))?
@@ -862,7 +873,10 @@ fn wait_mode_replays_when_the_first_completes(h: &Harness) -> Result<()> {
         inner: h.clock.clone(),
         hook: std::sync::Mutex::new(Some(Box::new(move || {
             let done = first.complete(&t, &policy, &Success::with_ref("order-1"));
-            assert_eq!(done.expect("complete"), Completion::Recorded);
+            assert_eq!(
+                done.expect("complete"),
+                Completion::Recorded(Status::Succeeded)
+            );
         }))),
     })?;
     let before = h.now();

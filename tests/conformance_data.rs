@@ -323,7 +323,7 @@ fn default_policy() -> Value {
     json!({
         "retention-ms": 3_600_000, "lease-ms": 30_000, "retry-after-ms": 1_000,
         "expired-lease": "take-over", "outcome-unknown": "manual",
-        "failure-mode": "honor-disposition", "in-progress": "reject",
+        "failure-mode": "honor-disposition", "max-attempts": null, "in-progress": "reject",
         "fingerprint-fields": [],
         "key-format": { "min-length": 1, "max-length": 255, "charset": "printable-ascii" },
         "max-body-bytes": 1_048_576
@@ -369,6 +369,10 @@ fn policy_of(v: &Value) -> Result<Policy> {
             "honor-disposition" => FailureMode::HonorDisposition,
             "always-final" => FailureMode::AlwaysFinal,
             other => bail!("failure-mode {other}"),
+        },
+        max_attempts: match &v["max-attempts"] {
+            Value::Null => None,
+            n => Some(u32_of(n)?),
         },
         in_progress: match &v["in-progress"] {
             Value::String(s) if s == "reject" => InProgressMode::Reject,
@@ -514,7 +518,12 @@ fn report_json(r: &ReconcileReport) -> Value {
 }
 
 fn completion_json(c: Completion) -> Value {
-    json!({ "completion": kebab(&c) })
+    match c {
+        Completion::Recorded(status) => {
+            json!({ "completion": "recorded", "status": kebab(&status) })
+        }
+        Completion::LostOwnership => json!({ "completion": "lost-ownership" }),
+    }
 }
 
 fn extension_json(e: Extension) -> Value {

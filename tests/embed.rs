@@ -35,6 +35,7 @@ fn policy() -> Policy {
         expired_lease: ExpiredLease::TakeOver,
         outcome_unknown: ExpiredLease::Manual,
         failure_mode: FailureMode::HonorDisposition,
+        max_attempts: None,
         in_progress: InProgressMode::Reject,
         fingerprint_fields: Vec::new(),
         key_format: KeyFormat {
@@ -104,7 +105,10 @@ fn an_embedder_runs_execute_complete_replay_and_mismatch_in_its_own_store() -> R
         response: None,
     };
     let done = guest.call_complete(&mut store, &ticket, &first.policy, &success)?;
-    assert!(matches!(done, Ok(Completion::Recorded)), "{done:?}");
+    assert!(
+        matches!(done, Ok(Completion::Recorded(wit::Status::Succeeded))),
+        "{done:?}"
+    );
 
     // The same request with its keys in another order: the canonical
     // fingerprint matches, and the stored result comes back.

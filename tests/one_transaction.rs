@@ -449,6 +449,7 @@ fn executed_attempt(outcome: &Result<RunOutcome, idem::Error>) -> Option<u32> {
         Ok(RunOutcome::Executed {
             ticket,
             result: ActionResult::Succeeded(_),
+            ..
         }) => Some(ticket.attempt),
         _ => None,
     }
@@ -548,6 +549,7 @@ fn a_request_that_fails_or_errors_in_a_batch_is_undone_alone() -> Result<()> {
             &outcomes[1],
             Ok(RunOutcome::Executed {
                 result: ActionResult::Failed(_, Disposition::Retryable),
+                stored: Status::Released,
                 ..
             })
         ),

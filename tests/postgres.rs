@@ -465,8 +465,12 @@ fn a_lost_connection_during_complete_is_an_error_and_the_retry_records_once() ->
     // The duplicate is told to wait, never to execute; the owner's retry
     // records the outcome once; then the duplicate replays.
     ensure!(matches!(engine.begin(&req)?, Decision::InProgress(_)));
-    ensure!(engine.complete(&ticket, &req.policy, &success)? == Completion::Recorded);
-    ensure!(engine.complete(&ticket, &req.policy, &success)? == Completion::Recorded);
+    ensure!(
+        engine.complete(&ticket, &req.policy, &success)? == Completion::Recorded(Status::Succeeded)
+    );
+    ensure!(
+        engine.complete(&ticket, &req.policy, &success)? == Completion::Recorded(Status::Succeeded)
+    );
     match engine.begin(&req)? {
         Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("order-1")),
         other => bail!("expected replay, got {other:?}"),

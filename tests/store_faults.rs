@@ -75,7 +75,7 @@ fn failed_complete_leaves_processing_and_can_be_retried() -> Result<()> {
     ));
     let st = h.engine.inspect(&key("k1"))?.expect("record");
     ensure!(st.status == Status::Processing && st.fencing_token == t.fencing_token);
-    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded);
+    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded(Status::Succeeded));
     ensure!(matches!(h.engine.begin(&req)?, Decision::Replay(_)));
     Ok(())
 }
@@ -93,7 +93,7 @@ fn lost_ack_on_complete_is_recognised_on_retry() -> Result<()> {
         h.engine.complete(&t, &req.policy, &s),
         Err(Error::Store(_))
     ));
-    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded);
+    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded(Status::Succeeded));
     match h.engine.begin(&req)? {
         Decision::Replay(r) => ensure!(r.result_ref.as_deref() == Some("order-1")),
         other => bail!("{other:?}"),

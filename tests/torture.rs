@@ -418,7 +418,7 @@ impl<S: Storage + Clone> World<S> {
             .complete(t, &self.policy, &Success::with_ref(r.clone()));
         let end = self.log.tick();
         match answer {
-            Ok(Completion::Recorded) => {
+            Ok(Completion::Recorded(_)) => {
                 self.log.push(Event::Succeeded {
                     ticket: t.clone(),
                     result_ref: r,
@@ -445,7 +445,7 @@ impl<S: Storage + Clone> World<S> {
             response: None,
         };
         let answer = self.engine.fail(t, &self.policy, &failure, disposition);
-        if disposition == Disposition::Retryable && matches!(answer, Ok(Completion::Recorded)) {
+        if matches!(answer, Ok(Completion::Recorded(Status::Released))) {
             // Nothing took effect: roll the business write back.
             let r = result_ref(t);
             if let Some(refs) = self.log.business.lock().unwrap().get_mut(&t.key) {

@@ -545,8 +545,9 @@ fn succeeded(
 enum Ownership {
     /// The ticket is current and the record is processing.
     Owner(Box<StoredRecord>),
-    /// The ticket's own outcome is already stored (a retried call).
-    AlreadyRecorded,
+    /// The ticket's own outcome is already stored (a retried call), with
+    /// this status.
+    AlreadyRecorded(Status),
     /// Someone else owns the key now, or the record is gone.
     Lost,
 }
@@ -567,7 +568,7 @@ fn ownership(
         return Ok(Ownership::Owner(Box::new(rec)));
     }
     if already(&rec) {
-        Ok(Ownership::AlreadyRecorded)
+        Ok(Ownership::AlreadyRecorded(rec.status))
     } else {
         Ok(Ownership::Lost)
     }
@@ -582,8 +583,9 @@ fn validate_ticket(t: &Ticket, policy: &Policy) -> Result<(), EngineError> {
 enum OwnerWrite {
     /// This record is now stored.
     Written(Box<StoredRecord>),
-    /// An earlier try of this same call already stored the outcome.
-    AlreadyRecorded,
+    /// An earlier try of this same call already stored the outcome, with
+    /// this status.
+    AlreadyRecorded(Status),
     /// Someone else owns the key now, or the record is gone.
     Lost,
 }
@@ -602,7 +604,7 @@ fn write_as_owner(
     for _ in 0..MAX_CONTENTION_ROUNDS {
         let rec = match ownership(t, current.take(), &already)? {
             Ownership::Owner(rec) => rec,
-            Ownership::AlreadyRecorded => return Ok(OwnerWrite::AlreadyRecorded),
+            Ownership::AlreadyRecorded(s) => return Ok(OwnerWrite::AlreadyRecorded(s)),
             Ownership::Lost => return Ok(OwnerWrite::Lost),
         };
         let next = build(&rec, env.now())?;
@@ -624,7 +626,8 @@ fn settle(
     already: impl Fn(&StoredRecord) -> bool,
 ) -> Result<Completion, EngineError> {
     Ok(match write_as_owner(env, t, build, already)? {
-        OwnerWrite::Written(_) | OwnerWrite::AlreadyRecorded => Completion::Recorded,
+        OwnerWrite::Written(rec) => Completion::Recorded(rec.status),
+        OwnerWrite::AlreadyRecorded(status) => Completion::Recorded(status),
         OwnerWrite::Lost => Completion::LostOwnership,
     })
 }
@@ -658,11 +661,30 @@ pub fn complete(
     )
 }
 
-/// The stored meaning of a failure under the policy.
-pub fn effective_disposition(policy: &Policy, disposition: Disposition) -> Disposition {
+/// The stored meaning of a failure of attempt `attempt` under the policy:
+/// `always-final`, or a retryable failure of the last attempt the policy's
+/// `max-attempts` allows, is final.
+pub fn effective_disposition(
+    policy: &Policy,
+    disposition: Disposition,
+    attempt: u32,
+) -> Disposition {
+    let out_of_attempts = policy.max_attempts.is_some_and(|max| attempt >= max);
     match (policy.failure_mode, disposition) {
         (FailureMode::AlwaysFinal, Disposition::Retryable) => Disposition::Final,
+        (FailureMode::HonorDisposition, Disposition::Retryable) if out_of_attempts => {
+            Disposition::Final
+        }
         (_, d) => d,
+    }
+}
+
+/// The status a failure with `disposition` (already made effective) leaves.
+fn failed_status(disposition: Disposition) -> Status {
+    match disposition {
+        Disposition::Retryable => Status::Released,
+        Disposition::Final => Status::Failed,
+        Disposition::OutcomeUnknown => Status::OutcomeUnknown,
     }
 }
 
@@ -676,17 +698,16 @@ pub fn fail(
 ) -> Result<Completion, EngineError> {
     validate_ticket(t, policy)?;
     validate::failure(failure).map_err(EngineError::Invalid)?;
-    let disposition = effective_disposition(policy, disposition);
-    let status = match disposition {
-        Disposition::Retryable => Status::Released,
-        Disposition::Final => Status::Failed,
-        Disposition::OutcomeUnknown => Status::OutcomeUnknown,
-    };
+    // The attempt is the record's: while the ticket's fencing token is
+    // current, no other owner has been granted the key since this one, so
+    // `attempts` counts this owner's attempt (and a ticket cannot claim
+    // another).
+    let effective = |rec: &StoredRecord| effective_disposition(policy, disposition, rec.attempts);
     settle(
         env,
         t,
-        |rec, now| failed(rec, now, policy, failure, disposition),
-        |rec| rec.status == status && rec.failure.as_ref() == Some(failure),
+        |rec, now| failed(rec, now, policy, failure, effective(rec)),
+        |rec| rec.status == failed_status(effective(rec)) && rec.failure.as_ref() == Some(failure),
     )
 }
 
@@ -699,11 +720,7 @@ fn failed(
     disposition: Disposition,
 ) -> Result<StoredRecord, EngineError> {
     let mut next = rewrite(rec, now)?;
-    next.status = match disposition {
-        Disposition::Retryable => Status::Released,
-        Disposition::Final => Status::Failed,
-        Disposition::OutcomeUnknown => Status::OutcomeUnknown,
-    };
+    next.status = failed_status(disposition);
     // An unknown outcome keeps the lease: duplicates are told the outcome
     // is unknown until it ends, then the policy decides.
     next.lease_until = match disposition {
@@ -808,7 +825,7 @@ pub fn extend(env: &impl Env, t: &Ticket, policy: &Policy) -> Result<Extension, 
             Some(until) => Extension::Extended(until),
             None => return Err(corrupt(&next, "an extended lease has no end")),
         },
-        OwnerWrite::AlreadyRecorded | OwnerWrite::Lost => Extension::LostOwnership,
+        OwnerWrite::AlreadyRecorded(_) | OwnerWrite::Lost => Extension::LostOwnership,
     })
 }
 

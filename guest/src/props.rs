@@ -285,6 +285,10 @@ pub fn begin_request(bytes: &[u8]) -> BeginRequest {
         } else {
             FailureMode::AlwaysFinal
         },
+        max_attempts: match r.byte() % 3 {
+            0 => None,
+            _ => Some(r.number(&[1, 2, 3, 5]) as u32),
+        },
         in_progress: if r.byte() % 2 == 0 {
             InProgressMode::Reject
         } else {
@@ -429,7 +433,7 @@ pub fn check_begin(req: &BeginRequest) {
         );
         return;
     }
-    assert_eq!(completion, Completion::Recorded);
+    assert_eq!(completion, Completion::Recorded(Status::Succeeded));
     match machine::begin(&env, req).unwrap_or_else(|e| panic!("begin failed: {e:?}")) {
         Decision::Replay(replayed) => assert_eq!(replayed.result_ref, success.result_ref),
         other => panic!("a completed request was answered {other:?}"),

@@ -300,13 +300,16 @@ fn in_range(value: u64, max: u64, name: &str) -> Result<(), InvalidInput> {
 ///
 /// # Errors
 ///
-/// `policy` with `out-of-range` (durations, key-format lengths, wait,
-/// max-body-bytes), `too-long` (too many fingerprint fields) or `bad-format`
+/// `policy` with `out-of-range` (durations, max-attempts, key-format
+/// lengths, wait, max-body-bytes), `too-long` (too many fingerprint fields) or `bad-format`
 /// (a fingerprint field that is not a JSON Pointer).
 pub fn policy(p: &Policy) -> Result<(), InvalidInput> {
     in_range(p.retention_ms, MAX_RETENTION_MS, "retention-ms")?;
     in_range(p.lease_ms, MAX_LEASE_MS, "lease-ms")?;
     in_range(p.retry_after_ms, MAX_LEASE_MS, "retry-after-ms")?;
+    if let Some(n) = p.max_attempts {
+        in_range(u64::from(n), u64::from(u32::MAX), "max-attempts")?;
+    }
 
     let kf = &p.key_format;
     in_range(
@@ -623,6 +626,7 @@ mod tests {
             expired_lease: ExpiredLease::TakeOver,
             outcome_unknown: ExpiredLease::Manual,
             failure_mode: FailureMode::HonorDisposition,
+            max_attempts: None,
             in_progress: InProgressMode::Reject,
             fingerprint_fields: Vec::new(),
             key_format: default_key_format(),

@@ -57,7 +57,7 @@ if (mode === "replay") {
     retrying(() => store.transaction(() => {
       insert.run(`k${i}`, me);
       const c = idem.complete(d.ticket, {}, { resultRef: `order-${i}` });
-      if (c !== "recorded") throw new Error(`k${i}: ${c}`);
+      if (c.completion !== "recorded" || c.status !== "succeeded") throw new Error(`k${i}: ${JSON.stringify(c)}`);
     }));
     executed += 1;
   }

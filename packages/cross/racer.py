@@ -15,7 +15,7 @@ Run it with a Python that has the idem-engine package installed.
 import os
 import sys
 
-from idem import EngineError, Idem, SqliteStore, StoreError
+from idem import EngineError, Idem, Recorded, SqliteStore, StoreError
 
 
 def main(mode, db, count):
@@ -55,7 +55,7 @@ def main(mode, db, count):
         with store.transaction() as conn:
             conn.execute("INSERT INTO orders (idem_key, worker) VALUES (?, ?)", (f"k{i}", me))
             c = idem.complete(ticket, result_ref=f"order-{i}")
-            if c != "recorded":
+            if c != Recorded("succeeded"):
                 raise RuntimeError(f"k{i}: {c}")
 
     for i in range(keys):

@@ -20,6 +20,15 @@ export interface Policy {
   outcome_unknown?: "take-over" | "reconcile" | "manual";
   /** What a retryable failure does (default "honor-disposition"). */
   failure_mode?: "honor-disposition" | "always-final";
+  /**
+   * The most attempts a key may take when its failures are retryable, at
+   * least 1 (default null: no limit). A retryable failure of attempt
+   * `max_attempts` or a later one is stored as final: `fail` answers
+   * `{ completion: "recorded", status: "failed" }` and duplicates get the
+   * failure. Attempts are counted by the record, across processes. 0 is an
+   * `invalid` policy (rule "out-of-range").
+   */
+  max_attempts?: number | null;
   /** What to do while another owner is executing (default "reject"). */
   in_progress?: "reject" | { wait: { max_wait_ms: number | bigint; poll_interval_ms: number | bigint } };
   /** JSON Pointers selecting the fingerprinted fields; empty for the whole body. */
@@ -74,6 +83,23 @@ export type Decision =
   | { decision: "failed"; failure: FailureInfo }
   | { decision: "outcome-unknown"; since: number; attempts: number; failure: FailureInfo | null }
   | { decision: "invalid"; field: string; rule: string; message: string };
+
+/** The stored state of a key. */
+export type Status = "processing" | "succeeded" | "failed" | "released" | "outcome-unknown";
+
+/**
+ * The answer to `complete` and `fail`. `recorded`: the outcome is stored and
+ * the key is now in `status`: "succeeded" after `complete`; after `fail`,
+ * "released" (a retryable failure: the next request executes again),
+ * "failed" (a final failure, or a retryable one made final by
+ * `failure_mode: "always-final"` or `max_attempts`) or "outcome-unknown".
+ * A caller that retries goes by `status`, not by the disposition it passed.
+ * `lost-ownership`: the lease was taken over (or the record is gone);
+ * nothing was written.
+ */
+export type Completion =
+  | { completion: "recorded"; status: Status }
+  | { completion: "lost-ownership" };
 
 export interface Clock {
   now(): bigint | number;
@@ -155,7 +181,7 @@ export interface ReconcileReport {
 }
 
 export interface KeyStatus {
-  status: "processing" | "succeeded" | "failed" | "released" | "outcome-unknown";
+  status: Status;
   createdAt: number;
   updatedAt: number;
   expiresAt: number | null;
@@ -172,9 +198,9 @@ export interface KeyStatus {
 export declare class Idem {
   constructor(options: { store: SqliteStore | object; clock?: Clock; results?: Results });
   begin(request: BeginRequest): Decision;
-  complete(ticket: Ticket, policy: Policy | undefined, success?: SuccessInput): "recorded" | "lost-ownership";
+  complete(ticket: Ticket, policy: Policy | undefined, success?: SuccessInput): Completion;
   fail(ticket: Ticket, policy: Policy | undefined, failure: { code: string; message?: string; response?: ResponseInput },
-    disposition?: "retryable" | "final" | "outcome-unknown"): "recorded" | "lost-ownership";
+    disposition?: "retryable" | "final" | "outcome-unknown"): Completion;
   extend(ticket: Ticket, policy?: Policy): { extended: true; leaseUntil: number } | { extended: false };
   reconcile(bizType: string, policy?: Policy, limit?: number): ReconcileReport;
   sweep(limit?: number): number;

@@ -36,8 +36,8 @@ pub fn consume(stream: &str, durable: &str, dlq: &str, db: &str, lease_ms: u64) 
         println!("ready");
         adapter
             .run_blocking(
-                move |incoming, engine, request, budget| {
-                    business.handle(incoming.id.as_str(), engine, request, budget)
+                move |incoming, engine, request| {
+                    business.handle(incoming.id.as_str(), engine, request)
                 },
                 std::future::pending(),
             )

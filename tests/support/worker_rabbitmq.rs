@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use idem::{ActionResult, Engine, RunInTransaction, Success, Ticket};
+use idem::{ActionResult, Engine, RunInTransaction, Success};
 use idem_consumer::{Consumer, ConsumerConfig};
 use idem_rabbitmq::lapin::{Connection, ConnectionProperties};
 use idem_rabbitmq::{Options, RabbitConsumer, Topology};
@@ -24,19 +24,11 @@ pub const STEP: Duration = Duration::from_millis(5);
 pub const BATCH: u16 = 4;
 
 /// The business effect's outcome, as the idempotency record stores it.
-pub fn effect(
-    id: &str,
-    ticket: &Ticket,
-    budget: idem_consumer::RetryBudget,
-    written: Result<usize, impl std::fmt::Display>,
-) -> ActionResult {
-    budget.apply(
-        ticket,
-        match written {
-            Ok(_) => ActionResult::Succeeded(Success::with_ref(id)),
-            Err(e) => ActionResult::retryable("orders-write", e),
-        },
-    )
+pub fn effect(id: &str, written: Result<usize, impl std::fmt::Display>) -> ActionResult {
+    match written {
+        Ok(_) => ActionResult::Succeeded(Success::with_ref(id)),
+        Err(e) => ActionResult::retryable("orders-write", e),
+    }
 }
 
 /// The consumer of a worker process (biz type `order.create`, lease
@@ -101,23 +93,22 @@ impl Business {
         ids: &[&str],
         engine: &Engine,
         requests: &[idem::BeginRequest],
-        budget: idem_consumer::RetryBudget,
     ) -> Result<Vec<Result<idem::RunOutcome, idem::Error>>, idem::Error> {
         use idem::postgres::RunInTransaction as Pg;
         let (insert, me) = (self.insert.as_str(), self.me.as_str());
         if self.on_postgres {
-            Pg::run_batch_in_one_transaction(engine, requests, |i, ticket, client| {
+            Pg::run_batch_in_one_transaction(engine, requests, |i, _, client| {
                 std::thread::sleep(STEP);
                 let written = client.execute(insert, &[&ids[i], &me]);
                 std::thread::sleep(STEP);
-                effect(ids[i], ticket, budget, written.map(|n| n as usize))
+                effect(ids[i], written.map(|n| n as usize))
             })
         } else {
-            RunInTransaction::run_batch_in_one_transaction(engine, requests, |i, ticket, conn| {
+            RunInTransaction::run_batch_in_one_transaction(engine, requests, |i, _, conn| {
                 std::thread::sleep(STEP);
                 let written = conn.execute(insert, [ids[i], me]);
                 std::thread::sleep(STEP);
-                effect(ids[i], ticket, budget, written)
+                effect(ids[i], written)
             })
         }
     }
@@ -130,23 +121,22 @@ impl Business {
         id: &str,
         engine: &Engine,
         request: &idem::BeginRequest,
-        budget: idem_consumer::RetryBudget,
     ) -> Result<idem::RunOutcome, idem::Error> {
         use idem::postgres::RunInTransaction as Pg;
         let (insert, me) = (self.insert.as_str(), self.me.as_str());
         if self.on_postgres {
-            Pg::run_in_transaction(engine, request, |ticket, client| {
+            Pg::run_in_transaction(engine, request, |_, client| {
                 std::thread::sleep(STEP);
                 let written = client.execute(insert, &[&id, &me]);
                 std::thread::sleep(STEP);
-                effect(id, ticket, budget, written.map(|n| n as usize))
+                effect(id, written.map(|n| n as usize))
             })
         } else {
-            RunInTransaction::run_in_transaction(engine, request, |ticket, conn| {
+            RunInTransaction::run_in_transaction(engine, request, |_, conn| {
                 std::thread::sleep(STEP);
                 let written = conn.execute(insert, [id, me]);
                 std::thread::sleep(STEP);
-                effect(id, ticket, budget, written)
+                effect(id, written)
             })
         }
     }
@@ -173,9 +163,9 @@ pub fn consume(queue: &str, db: &str, lease_ms: u64) -> Result<()> {
         rabbit
             .run_batch_blocking(
                 usize::from(BATCH),
-                move |incoming, engine, requests, budget| {
+                move |incoming, engine, requests| {
                     let ids: Vec<&str> = incoming.iter().map(|i| i.id.as_str()).collect();
-                    business.handle_batch(&ids, engine, requests, budget)
+                    business.handle_batch(&ids, engine, requests)
                 },
                 std::future::pending(),
             )

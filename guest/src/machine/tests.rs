@@ -348,6 +348,7 @@ fn policy_with(expired_lease: ExpiredLease) -> Policy {
         expired_lease,
         outcome_unknown: expired_lease,
         failure_mode: FailureMode::HonorDisposition,
+        max_attempts: None,
         in_progress: InProgressMode::Reject,
         fingerprint_fields: Vec::new(),
         key_format: validate::default_key_format(),
@@ -499,7 +500,7 @@ fn settled_in(env: &Fake, status: Status, p: &Policy) -> (RecordKey, Ticket) {
             fail(env, &t, p, &failure("timeout"), Disposition::OutcomeUnknown)
         }
     };
-    assert_eq!(done, Ok(Completion::Recorded));
+    assert_eq!(done, Ok(Completion::Recorded(status)));
     assert_eq!(env.record(&k).expect("settled").status, status);
     (k, t)
 }
@@ -606,7 +607,10 @@ fn begin_with_another_request_is_a_mismatch_that_reveals_only_a_prefix() {
         result_ref: Some("order-SECRET-REF".into()),
         response: Some(response(201, "SECRET-RESPONSE-BODY")),
     };
-    assert_eq!(complete(&env, &t, &p, &secret), Ok(Completion::Recorded));
+    assert_eq!(
+        complete(&env, &t, &p, &secret),
+        Ok(Completion::Recorded(Status::Succeeded))
+    );
     let before = env.snapshot();
     let d = decide(&env, &k, 2, &p);
     let stored = fp(1);
@@ -1067,7 +1071,7 @@ fn take_over_at_and_after_the_lease_end() {
         );
         assert_eq!(
             complete(&env, &t2, &p, &success("order-2")),
-            Ok(Completion::Recorded)
+            Ok(Completion::Recorded(Status::Succeeded))
         );
     }
 }
@@ -1243,7 +1247,7 @@ fn manual_policy_answers_outcome_unknown_without_writing() {
         // Nobody took the key over: the late owner may still complete it.
         assert_eq!(
             complete(&env, &t1, &p, &success("order-1")),
-            Ok(Completion::Recorded)
+            Ok(Completion::Recorded(Status::Succeeded))
         );
         assert!(matches!(decide(&env, &k, 1, &p), Decision::Replay(_)));
     }
@@ -1284,7 +1288,7 @@ fn a_stale_ticket_is_fenced_off_and_writes_nothing() {
     // The new owner is unaffected, and the old one stays fenced off after.
     assert_eq!(
         complete(&env, &t2, &p, &success("order-2")),
-        Ok(Completion::Recorded)
+        Ok(Completion::Recorded(Status::Succeeded))
     );
     let after = env.snapshot();
     assert_eq!(
@@ -1356,7 +1360,7 @@ fn extend_moves_the_lease_forward() {
     // The old ticket's lease-until is informative only: it still works.
     assert_eq!(
         complete(&env, &t, &p, &success("order-1")),
-        Ok(Completion::Recorded)
+        Ok(Completion::Recorded(Status::Succeeded))
     );
     // A settled key cannot be extended.
     assert_eq!(extend(&env, &t, &p), Ok(Extension::LostOwnership));
@@ -1391,7 +1395,7 @@ fn complete_retried_with_the_same_outcome_is_recorded_once() {
     env.advance(10);
     assert_eq!(
         complete(&env, &t, &p, &success("order-1")),
-        Ok(Completion::Recorded)
+        Ok(Completion::Recorded(Status::Succeeded))
     );
     let rec = env.record(&k).expect("stored");
     assert_eq!(rec.status, Status::Succeeded);
@@ -1408,7 +1412,7 @@ fn complete_retried_with_the_same_outcome_is_recorded_once() {
     env.clear_calls();
     assert_eq!(
         complete(&env, &t, &p, &success("order-1")),
-        Ok(Completion::Recorded)
+        Ok(Completion::Recorded(Status::Succeeded))
     );
     assert_eq!(env.record(&k), Some(rec.clone()), "nothing written again");
     assert_eq!(env.count(Op::Cas), 0);
@@ -1452,15 +1456,16 @@ fn fail_retried_with_the_same_outcome_is_recorded_once() {
         let p = policy();
         let k = key("a");
         let t = start(&env, &k, &p);
+        let stored = failed_status(d);
         assert_eq!(
             fail(&env, &t, &p, &failure("boom"), d),
-            Ok(Completion::Recorded)
+            Ok(Completion::Recorded(stored))
         );
         let rec = env.record(&k).expect("stored");
         env.advance(5);
         assert_eq!(
             fail(&env, &t, &p, &failure("boom"), d),
-            Ok(Completion::Recorded),
+            Ok(Completion::Recorded(stored)),
             "{d:?}"
         );
         assert_eq!(env.record(&k), Some(rec.clone()));
@@ -1561,7 +1566,7 @@ fn always_final_stores_retryable_failures_as_final() {
         let t = start(&env, &k, &p);
         assert_eq!(
             fail(&env, &t, &p, &failure("e500"), given),
-            Ok(Completion::Recorded)
+            Ok(Completion::Recorded(stored))
         );
         let rec = env.record(&k).expect("stored");
         assert_eq!(rec.status, stored, "{given:?}");
@@ -1576,7 +1581,7 @@ fn always_final_stores_retryable_failures_as_final() {
         // A retried call with the caller's own disposition is recognised.
         assert_eq!(
             fail(&env, &t, &p, &failure("e500"), given),
-            Ok(Completion::Recorded)
+            Ok(Completion::Recorded(stored))
         );
     }
 }
@@ -1593,20 +1598,144 @@ fn effective_disposition_follows_the_failure_mode() {
         Disposition::Final,
         Disposition::OutcomeUnknown,
     ] {
-        assert_eq!(effective_disposition(&honor, d), d);
+        assert_eq!(effective_disposition(&honor, d, 1), d);
+        assert_eq!(effective_disposition(&honor, d, u32::MAX), d);
     }
     assert_eq!(
-        effective_disposition(&always, Disposition::Retryable),
+        effective_disposition(&always, Disposition::Retryable, 1),
         Disposition::Final
     );
     assert_eq!(
-        effective_disposition(&always, Disposition::Final),
+        effective_disposition(&always, Disposition::Final, 1),
         Disposition::Final
     );
     assert_eq!(
-        effective_disposition(&always, Disposition::OutcomeUnknown),
+        effective_disposition(&always, Disposition::OutcomeUnknown, 1),
         Disposition::OutcomeUnknown
     );
+    let three = Policy {
+        max_attempts: Some(3),
+        ..policy()
+    };
+    for (attempt, stored) in [
+        (1, Disposition::Retryable),
+        (2, Disposition::Retryable),
+        (3, Disposition::Final),
+        (4, Disposition::Final),
+    ] {
+        assert_eq!(
+            effective_disposition(&three, Disposition::Retryable, attempt),
+            stored,
+            "attempt {attempt}"
+        );
+        assert_eq!(
+            effective_disposition(&three, Disposition::OutcomeUnknown, attempt),
+            Disposition::OutcomeUnknown,
+            "an unknown outcome stays unknown at attempt {attempt}"
+        );
+    }
+}
+
+#[test]
+fn max_attempts_makes_the_last_retryable_failure_final() {
+    let env = Fake::new();
+    let k = key("a");
+    let p = Policy {
+        max_attempts: Some(3),
+        ..policy()
+    };
+    for attempt in 1..=2 {
+        let t = start(&env, &k, &p);
+        assert_eq!(t.attempt, attempt);
+        assert_eq!(
+            fail(&env, &t, &p, &failure("e503"), Disposition::Retryable),
+            Ok(Completion::Recorded(Status::Released)),
+            "attempt {attempt}"
+        );
+        assert_eq!(env.record(&k).expect("stored").status, Status::Released);
+    }
+    let t = start(&env, &k, &p);
+    assert_eq!(t.attempt, 3);
+    assert_eq!(
+        fail(&env, &t, &p, &failure("e503"), Disposition::Retryable),
+        Ok(Completion::Recorded(Status::Failed))
+    );
+    let rec = env.record(&k).expect("stored");
+    assert_eq!(rec.status, Status::Failed);
+    assert_eq!(rec.response, failure("e503").response);
+    // Every duplicate now gets the failure; nobody runs a fourth attempt.
+    assert_eq!(decide(&env, &k, 1, &p), Decision::Failed(failure("e503")));
+    // A retried `fail` of the last attempt is recognised as stored.
+    assert_eq!(
+        fail(&env, &t, &p, &failure("e503"), Disposition::Retryable),
+        Ok(Completion::Recorded(Status::Failed))
+    );
+}
+
+#[test]
+fn max_attempts_counts_owners_that_crashed() {
+    // A crashed owner's attempt counts: the record, not the caller, counts
+    // the attempts.
+    let env = Fake::new();
+    let k = key("a");
+    let p = Policy {
+        max_attempts: Some(2),
+        ..policy()
+    };
+    let crashed = start(&env, &k, &p);
+    assert_eq!(crashed.attempt, 1);
+    env.advance(LEASE + 1);
+    let t = match decide(&env, &k, 1, &p) {
+        Decision::Execute(t) => t,
+        other => panic!("expected a take-over, got {other:?}"),
+    };
+    assert_eq!(t.attempt, 2);
+    assert_eq!(
+        fail(&env, &t, &p, &failure("e503"), Disposition::Retryable),
+        Ok(Completion::Recorded(Status::Failed))
+    );
+    // The crashed owner's late report is fenced off.
+    assert_eq!(
+        fail(&env, &crashed, &p, &failure("e503"), Disposition::Retryable),
+        Ok(Completion::LostOwnership)
+    );
+}
+
+#[test]
+fn without_max_attempts_retryable_failures_release_the_key_every_time() {
+    let env = Fake::new();
+    let k = key("a");
+    let p = policy();
+    for attempt in 1..=20 {
+        let t = start(&env, &k, &p);
+        assert_eq!(t.attempt, attempt);
+        assert_eq!(
+            fail(&env, &t, &p, &failure("e503"), Disposition::Retryable),
+            Ok(Completion::Recorded(Status::Released))
+        );
+    }
+}
+
+#[test]
+fn max_attempts_of_zero_is_refused_and_writes_nothing() {
+    let env = Fake::new();
+    let k = key("a");
+    let p = policy();
+    let t = start(&env, &k, &p);
+    let zero = Policy {
+        max_attempts: Some(0),
+        ..policy()
+    };
+    let before = env.record(&k);
+    match fail(&env, &t, &zero, &failure("e503"), Disposition::Retryable) {
+        Err(EngineError::Invalid(i)) => {
+            assert_eq!(i.field, InputField::Policy);
+            assert_eq!(i.rule, InputRule::OutOfRange);
+            assert!(i.message.contains("max-attempts"), "{}", i.message);
+        }
+        other => panic!("expected an invalid policy, got {other:?}"),
+    }
+    assert_eq!(env.record(&k), before, "an invalid policy wrote");
 }
 
 #[test]
@@ -1625,7 +1754,7 @@ fn a_released_key_executes_again_only_for_the_same_request() {
     // Release again, then a third attempt.
     assert_eq!(
         fail(&env, &t2, &p, &failure("busy"), Disposition::Retryable),
-        Ok(Completion::Recorded)
+        Ok(Completion::Recorded(Status::Released))
     );
     let t3 = executed(decide(&env, &k, 1, &p));
     assert_eq!((t3.fencing_token, t3.attempt), (3, 3));
@@ -1736,9 +1865,9 @@ fn sweep_deletes_only_expired_settled_records() {
             Status::OutcomeUnknown => {
                 fail(&env, &t, &p, &failure("f"), Disposition::OutcomeUnknown)
             }
-            Status::Processing => Ok(Completion::Recorded),
+            Status::Processing => Ok(Completion::Recorded(Status::Processing)),
         };
-        assert_eq!(done, Ok(Completion::Recorded));
+        assert_eq!(done, Ok(Completion::Recorded(status)));
     }
     env.set_time(T0 + RETENTION - 1);
     assert_eq!(sweep(&env, 100), Ok(0));
@@ -1798,7 +1927,7 @@ fn inspect_reports_the_stored_record() {
     env.advance(10);
     assert_eq!(
         complete(&env, &t, &p, &success("order-1")),
-        Ok(Completion::Recorded)
+        Ok(Completion::Recorded(Status::Succeeded))
     );
     let expires = T0 + 10 + RETENTION;
     env.set_time(expires - 1);
@@ -1853,7 +1982,7 @@ fn reconcile_reports_what_it_did_with_each_record() {
                     &failure("timeout"),
                     Disposition::OutcomeUnknown
                 ),
-                Ok(Completion::Recorded)
+                Ok(Completion::Recorded(Status::OutcomeUnknown))
             );
         }
         if k == &raced {
@@ -1944,7 +2073,7 @@ fn reconcile_under_manual_leaves_missing_results_for_an_operator() {
                     &failure("timeout"),
                     Disposition::OutcomeUnknown
                 ),
-                Ok(Completion::Recorded)
+                Ok(Completion::Recorded(Status::OutcomeUnknown))
             );
         }
     }
@@ -2463,7 +2592,7 @@ fn owner_writes_retry_after_an_unrelated_change() {
     env.clear_calls();
     assert_eq!(
         complete(&env, &t, &p, &success("order-1")),
-        Ok(Completion::Recorded)
+        Ok(Completion::Recorded(Status::Succeeded))
     );
     assert_eq!(env.count(Op::Cas), 4);
     assert_eq!(env.record(&k).expect("stored").status, Status::Succeeded);
@@ -2535,7 +2664,7 @@ fn begin_follows_the_record_another_writer_stored() {
             once = false;
             assert_eq!(
                 complete(env, &t1, &hook_policy, &success("order-1")),
-                Ok(Completion::Recorded)
+                Ok(Completion::Recorded(Status::Succeeded))
             );
         }
     });
@@ -2687,7 +2816,7 @@ fn wait_replays_when_the_record_settles_during_the_wait() {
         if polls == 3 {
             assert_eq!(
                 complete(env, &t, &hook_policy, &success("order-1")),
-                Ok(Completion::Recorded)
+                Ok(Completion::Recorded(Status::Succeeded))
             );
         }
     });
@@ -2888,15 +3017,17 @@ fn policy_strategy() -> impl Strategy<Value = Policy> {
                 poll_interval_ms: 40,
             })),
         ],
+        prop_oneof![Just(None), (1u32..4).prop_map(Some)],
     )
         .prop_map(
-            |((expired_lease, outcome_unknown), failure_mode, in_progress)| Policy {
+            |((expired_lease, outcome_unknown), failure_mode, in_progress, max_attempts)| Policy {
                 retention_ms: 400,
                 lease_ms: 100,
                 retry_after_ms: 30,
                 expired_lease,
                 outcome_unknown,
                 failure_mode,
+                max_attempts,
                 in_progress,
                 ..policy()
             },
@@ -3071,7 +3202,8 @@ impl World {
             response: None,
         };
         let c = complete(&self.env, &t, &self.policy, &s).expect("complete");
-        if c == Completion::Recorded {
+        if let Completion::Recorded(stored) = c {
+            assert_eq!(stored, Status::Succeeded);
             assert!(owns, "recorded for a stale ticket");
             let rec = self.env.record(&t.key).expect("recorded");
             assert_eq!(rec.status, Status::Succeeded);
@@ -3095,15 +3227,16 @@ impl World {
             response: None,
         };
         let c = fail(&self.env, &t, &self.policy, &f, disposition).expect("fail");
-        if c == Completion::Recorded {
+        if let Completion::Recorded(stored) = c {
             assert!(owns, "recorded for a stale ticket");
             let rec = self.env.record(&t.key).expect("recorded");
-            let status = match effective_disposition(&self.policy, disposition) {
+            let status = match effective_disposition(&self.policy, disposition, t.attempt) {
                 Disposition::Retryable => Status::Released,
                 Disposition::Final => Status::Failed,
                 Disposition::OutcomeUnknown => Status::OutcomeUnknown,
             };
             assert_eq!(rec.status, status);
+            assert_eq!(stored, status, "recorded names another status than stored");
             assert_eq!(rec.failure, Some(f));
             self.note_outcome(key, &t, format!("{status:?} e{variant}"));
         }

@@ -8,7 +8,7 @@ use idem_engine::api::BeginRequest;
 use idem_engine::engine::{Engine, Error, RunOutcome};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::{Consumer, ConsumerError, Message, RetryBudget, Verdict};
+use crate::{Consumer, ConsumerError, Message, Verdict};
 
 /// How many deliveries may wait for a [`Batcher`] beyond the batch it
 /// runs: as many as two batches. More would only queue work that the
@@ -17,14 +17,9 @@ use crate::{Consumer, ConsumerError, Message, RetryBudget, Verdict};
 const QUEUED_BATCHES: usize = 2;
 
 /// What a [`Batcher`]'s blocking call is given: the batch's items, the
-/// engine, one engine request per item (in order) and the retry budget.
+/// engine and one engine request per item (in order).
 /// It answers one slot per request, in order.
-pub type BatchRun<I> = dyn Fn(
-        Vec<I>,
-        &Engine,
-        &[BeginRequest],
-        RetryBudget,
-    ) -> Result<Vec<Result<RunOutcome, Error>>, Error>
+pub type BatchRun<I> = dyn Fn(Vec<I>, &Engine, &[BeginRequest]) -> Result<Vec<Result<RunOutcome, Error>>, Error>
     + Send
     + Sync;
 
@@ -71,12 +66,7 @@ impl<I: Send + 'static> Batcher<I> {
     pub fn new(
         consumer: &Consumer,
         max_batch: usize,
-        run: impl Fn(
-            Vec<I>,
-            &Engine,
-            &[BeginRequest],
-            RetryBudget,
-        ) -> Result<Vec<Result<RunOutcome, Error>>, Error>
+        run: impl Fn(Vec<I>, &Engine, &[BeginRequest]) -> Result<Vec<Result<RunOutcome, Error>>, Error>
         + Send
         + Sync
         + 'static,
@@ -144,9 +134,7 @@ async fn batches<I: Send + 'static>(
             .collect();
         let run = run.clone();
         let verdicts = consumer
-            .handle_batch_blocking(&keyed, move |engine, requests, budget| {
-                run(items, engine, requests, budget)
-            })
+            .handle_batch_blocking(&keyed, move |engine, requests| run(items, engine, requests))
             .await;
         // A delivery whose task is gone is redelivered anyway, so a failed
         // send needs nothing more.
@@ -230,7 +218,7 @@ mod tests {
         let batcher = Batcher::new(
             &consumer,
             DELIVERIES,
-            move |ids: Vec<String>, engine: &Engine, requests: &[BeginRequest], _| {
+            move |ids: Vec<String>, engine: &Engine, requests: &[BeginRequest]| {
                 let first = {
                     let mut sizes = s.lock().expect("sizes");
                     sizes.push(ids.len());
@@ -298,7 +286,7 @@ mod tests {
         let failing = Batcher::new(
             &consumer,
             4,
-            |_: Vec<()>, _: &Engine, _: &[BeginRequest], _| {
+            |_: Vec<()>, _: &Engine, _: &[BeginRequest]| {
                 Err(Error::Store(StoreError::Unavailable(
                     "the disk is gone".into(),
                 )))
@@ -307,7 +295,7 @@ mod tests {
         let short = Batcher::new(
             &consumer,
             4,
-            |_: Vec<()>, _: &Engine, _: &[BeginRequest], _| Ok(Vec::new()),
+            |_: Vec<()>, _: &Engine, _: &[BeginRequest]| Ok(Vec::new()),
         );
         for batcher in [failing, short] {
             let message = Message {

@@ -15,7 +15,7 @@
 //! | executed, succeeded | [`Verdict::Ack`] ([`Acked::Executed`]) |
 //! | already succeeded (a redelivery) | [`Verdict::Ack`] ([`Acked::Duplicate`]) |
 //! | in progress elsewhere | [`Verdict::Retry`] after the engine's `retry_after_ms` |
-//! | a retryable failure | [`Verdict::Retry`] with exponential backoff; after `max_attempts`, stored as final and dead-lettered |
+//! | a retryable failure | [`Verdict::Retry`] with exponential backoff; the policy's `max_attempts`-th is stored as final by the engine and dead-lettered |
 //! | a final failure, now or replayed | [`Verdict::DeadLetter`] ([`DeadLetterReason::Failed`]) |
 //! | the same id with another body | [`Verdict::DeadLetter`] ([`DeadLetterReason::Conflict`]); the first effect stays |
 //! | outcome unknown | [`Verdict::DeadLetter`] ([`DeadLetterReason::OutcomeUnknown`]): parked for an operator, never run again blindly |
@@ -37,9 +37,9 @@ use idem_engine::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, Policy, Ticket,
 };
 use idem_engine::engine::{ActionResult, Engine, Error, RunOutcome};
-use idem_engine::types::{Failure, RecordKey, Success};
+use idem_engine::types::{Failure, RecordKey, Status, Success};
 
-/// The default [`ConsumerConfig::max_attempts`]: 5. A transient failure
+/// The `max_attempts` of [`ConsumerConfig::new`]'s policy: 5. A transient failure
 /// (a dependency restarting, a lock timeout) clears within a few tries;
 /// a message that fails five times with growing delays (1, 2, 4, 8 s) is
 /// poison, and retrying it forever only delays the messages behind it.
@@ -67,12 +67,12 @@ pub struct ConsumerConfig {
     pub biz_type: String,
     /// The engine policy of the biz type. Its lease bounds how long a
     /// handler may run without the consumer extending it; the consumer
-    /// extends it every half lease while the handler runs.
+    /// extends it every half lease while the handler runs. Its
+    /// `max_attempts` is how many times a message may run before the
+    /// engine stores a retryable failure as final and the message is
+    /// dead-lettered ([`DEFAULT_MAX_ATTEMPTS`] from [`ConsumerConfig::new`];
+    /// `None` retries for ever).
     pub policy: Policy,
-    /// How many times a message may be run before a retryable failure is
-    /// stored as final and the message dead-lettered (at least 1).
-    /// Default [`DEFAULT_MAX_ATTEMPTS`].
-    pub max_attempts: u32,
     /// The delay before the first retry of a retryable failure; each
     /// further attempt doubles it. Default [`DEFAULT_FIRST_RETRY_DELAY`].
     pub first_retry_delay: Duration,
@@ -82,12 +82,15 @@ pub struct ConsumerConfig {
 
 impl ConsumerConfig {
     /// A configuration for `biz_type` with the engine's default policy,
-    /// except that message bodies are fingerprinted as raw bytes.
+    /// except that a message runs at most [`DEFAULT_MAX_ATTEMPTS`] times.
+    /// Message bodies are fingerprinted as raw bytes.
     pub fn new(biz_type: impl Into<String>) -> Self {
         Self {
             biz_type: biz_type.into(),
-            policy: Policy::default(),
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            policy: Policy {
+                max_attempts: Some(DEFAULT_MAX_ATTEMPTS),
+                ..Policy::default()
+            },
             first_retry_delay: DEFAULT_FIRST_RETRY_DELAY,
             max_retry_delay: DEFAULT_MAX_RETRY_DELAY,
         }
@@ -204,8 +207,9 @@ pub enum RetryReason {
 /// Why a message is dead-lettered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeadLetterReason {
-    /// A final failure: the handler's, or a retryable one past
-    /// `max_attempts`; a redelivery replays it.
+    /// A final failure: the handler's, or a retryable one that the engine
+    /// stored as final (the policy's `max_attempts` or `failure_mode`); a
+    /// redelivery replays it.
     Failed {
         /// The failure's code.
         code: String,
@@ -262,38 +266,6 @@ impl std::fmt::Display for DeadLetterReason {
 #[error("the engine failed: {0}")]
 pub struct ConsumerError(#[from] pub Error);
 
-/// Applies [`ConsumerConfig::max_attempts`] to an action's result, for
-/// [`Consumer::handle_blocking`]: a retryable failure on the last attempt
-/// becomes final.
-#[derive(Debug, Clone, Copy)]
-pub struct RetryBudget {
-    max_attempts: u32,
-}
-
-impl RetryBudget {
-    /// `result`, made final when it is a retryable failure of the last
-    /// allowed attempt.
-    pub fn apply(&self, ticket: &Ticket, result: ActionResult) -> ActionResult {
-        match result {
-            ActionResult::Failed(failure, Disposition::Retryable)
-                if ticket.attempt >= self.max_attempts =>
-            {
-                ActionResult::Failed(
-                    Failure {
-                        message: format!(
-                            "{} (attempt {} of {}: no retries left)",
-                            failure.message, ticket.attempt, self.max_attempts
-                        ),
-                        ..failure
-                    },
-                    Disposition::Final,
-                )
-            }
-            other => other,
-        }
-    }
-}
-
 /// Runs each message's handler at most once per id, and says what to do
 /// with each delivery. Cheap to clone.
 #[derive(Clone)]
@@ -312,8 +284,7 @@ impl std::fmt::Debug for Consumer {
 
 impl Consumer {
     /// A consumer of `config.biz_type` on `engine`.
-    pub fn new(engine: Engine, mut config: ConsumerConfig) -> Self {
-        config.max_attempts = config.max_attempts.max(1);
+    pub fn new(engine: Engine, config: ConsumerConfig) -> Self {
         Self { engine, config }
     }
 
@@ -377,7 +348,6 @@ impl Consumer {
                 e.disposition,
             ),
         };
-        let result = self.budget().apply(&ticket, result);
         let (t, p, r) = (ticket.clone(), self.config.policy.clone(), result.clone());
         let completion = self
             .call(move |e| match &r {
@@ -386,7 +356,11 @@ impl Consumer {
             })
             .await?;
         Ok(self.verdict(match completion {
-            Completion::Recorded => RunOutcome::Executed { ticket, result },
+            Completion::Recorded(stored) => RunOutcome::Executed {
+                ticket,
+                result,
+                stored,
+            },
             Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
         }))
     }
@@ -394,8 +368,7 @@ impl Consumer {
     /// Like [`Consumer::handle`], for a blocking `run` that drives the
     /// engine itself on a blocking thread, typically a store's
     /// `run_in_transaction` so that the business write and the transition
-    /// to succeeded commit together. `run` gets the engine, the request
-    /// and the [`RetryBudget`] to apply to its action's result.
+    /// to succeeded commit together. `run` gets the engine and the request.
     ///
     /// # Errors
     ///
@@ -406,14 +379,11 @@ impl Consumer {
         run: F,
     ) -> Result<Verdict, ConsumerError>
     where
-        F: FnOnce(&Engine, &BeginRequest, RetryBudget) -> Result<RunOutcome, Error>
-            + Send
-            + 'static,
+        F: FnOnce(&Engine, &BeginRequest) -> Result<RunOutcome, Error> + Send + 'static,
     {
         let request = self.request(message);
         let engine = self.engine.clone();
-        let budget = self.budget();
-        let outcome = tokio::task::spawn_blocking(move || run(&engine, &request, budget))
+        let outcome = tokio::task::spawn_blocking(move || run(&engine, &request))
             .await
             .map_err(|e| Error::Trap(format!("the handler did not finish: {e}")))??;
         Ok(self.verdict(outcome))
@@ -437,19 +407,14 @@ impl Consumer {
         run: F,
     ) -> Result<Vec<Result<Verdict, ConsumerError>>, ConsumerError>
     where
-        F: FnOnce(
-                &Engine,
-                &[BeginRequest],
-                RetryBudget,
-            ) -> Result<Vec<Result<RunOutcome, Error>>, Error>
+        F: FnOnce(&Engine, &[BeginRequest]) -> Result<Vec<Result<RunOutcome, Error>>, Error>
             + Send
             + 'static,
     {
         let requests: Vec<BeginRequest> = messages.iter().map(|m| self.request(m)).collect();
         let expected = requests.len();
         let engine = self.engine.clone();
-        let budget = self.budget();
-        let outcomes = tokio::task::spawn_blocking(move || run(&engine, &requests, budget))
+        let outcomes = tokio::task::spawn_blocking(move || run(&engine, &requests))
             .await
             .map_err(|e| Error::Trap(format!("the handler did not finish: {e}")))??;
         if outcomes.len() != expected {
@@ -465,25 +430,49 @@ impl Consumer {
             .collect())
     }
 
-    /// The verdict for what the engine did with a delivery.
+    /// The verdict for what the engine did with a delivery. An executed
+    /// delivery's verdict follows the status the engine stored, not the
+    /// disposition the handler gave: the engine makes a retryable failure
+    /// final at the policy's `max_attempts` (or under `always-final`).
     pub fn verdict(&self, outcome: RunOutcome) -> Verdict {
         match outcome {
-            RunOutcome::Executed { ticket, result } => match result {
-                ActionResult::Succeeded(_) => Verdict::Ack(Acked::Executed),
-                ActionResult::Failed(f, Disposition::Retryable) => Verdict::Retry {
-                    after: self.config.retry_delay(ticket.attempt),
-                    why: RetryReason::Failed {
-                        code: f.code,
-                        attempt: ticket.attempt,
+            RunOutcome::Executed {
+                ticket,
+                result,
+                stored,
+            } => {
+                let code = match result {
+                    ActionResult::Succeeded(_) => return Verdict::Ack(Acked::Executed),
+                    ActionResult::Failed(f, _) => f.code,
+                };
+                match stored {
+                    Status::Released => Verdict::Retry {
+                        after: self.config.retry_delay(ticket.attempt),
+                        why: RetryReason::Failed {
+                            code,
+                            attempt: ticket.attempt,
+                        },
                     },
-                },
-                ActionResult::Failed(f, Disposition::Final) => {
-                    Verdict::DeadLetter(DeadLetterReason::Failed { code: f.code })
+                    Status::Failed => Verdict::DeadLetter(DeadLetterReason::Failed { code }),
+                    Status::OutcomeUnknown => {
+                        Verdict::DeadLetter(DeadLetterReason::OutcomeUnknown { code })
+                    }
+                    // A failure the engine says it stored as succeeded or
+                    // processing: it cannot happen, and the redelivery asks
+                    // the engine again rather than dropping the message.
+                    Status::Succeeded | Status::Processing => {
+                        tracing::error!(
+                            key = %ticket.key.idem_key,
+                            ?stored,
+                            "the engine stored a failure with an impossible status; the delivery is retried"
+                        );
+                        Verdict::Retry {
+                            after: MIN_RETRY_DELAY,
+                            why: RetryReason::LostOwnership,
+                        }
+                    }
                 }
-                ActionResult::Failed(f, Disposition::OutcomeUnknown) => {
-                    Verdict::DeadLetter(DeadLetterReason::OutcomeUnknown { code: f.code })
-                }
-            },
+            }
             RunOutcome::LostOwnership { .. } => Verdict::Retry {
                 after: MIN_RETRY_DELAY,
                 why: RetryReason::LostOwnership,
@@ -513,12 +502,6 @@ impl Consumer {
                     Verdict::DeadLetter(DeadLetterReason::Invalid { message: i.message })
                 }
             },
-        }
-    }
-
-    fn budget(&self) -> RetryBudget {
-        RetryBudget {
-            max_attempts: self.config.max_attempts,
         }
     }
 

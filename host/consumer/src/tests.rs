@@ -20,7 +20,7 @@ struct World {
     runs: Arc<AtomicU32>,
 }
 
-fn world(max_attempts: u32) -> World {
+fn world(max_attempts: Option<u32>) -> World {
     let store = MemoryStore::new();
     let clock = ManualClock::new(T0);
     let engine = Engine::builder()
@@ -30,7 +30,7 @@ fn world(max_attempts: u32) -> World {
         .expect("engine");
     let mut config = ConsumerConfig::new("inventory.reserve");
     config.policy.lease_ms = LEASE_MS;
-    config.max_attempts = max_attempts;
+    config.policy.max_attempts = max_attempts;
     World {
         consumer: Consumer::new(engine, config),
         store,
@@ -78,7 +78,7 @@ impl World {
 
 #[tokio::test]
 async fn a_message_runs_once_and_every_redelivery_is_acked_as_a_duplicate() {
-    let w = world(DEFAULT_MAX_ATTEMPTS);
+    let w = world(Some(DEFAULT_MAX_ATTEMPTS));
     let m = msg("m-1", b"{\"sku\":\"A1\"}");
     assert_eq!(
         w.deliver(m, Ok("reserved")).await.unwrap(),
@@ -96,7 +96,7 @@ async fn a_message_runs_once_and_every_redelivery_is_acked_as_a_duplicate() {
 
 #[tokio::test]
 async fn a_retryable_failure_backs_off_then_is_dead_lettered_and_stays_so() {
-    let w = world(3);
+    let w = world(Some(3));
     let m = msg("poison", b"x");
     let retry = || Err(HandlerError::retryable("stock-db-down", "timeout"));
     for (attempt, delay) in [(1, 1), (2, 2)] {
@@ -123,8 +123,53 @@ async fn a_retryable_failure_backs_off_then_is_dead_lettered_and_stays_so() {
 }
 
 #[tokio::test]
+async fn without_max_attempts_a_retryable_failure_is_retried_every_time() {
+    let w = world(None);
+    let m = msg("flaky", b"x");
+    for attempt in 1..=8 {
+        let verdict = w
+            .deliver(m, Err(HandlerError::retryable("stock-db-down", "timeout")))
+            .await
+            .unwrap();
+        assert!(
+            matches!(verdict, Verdict::Retry { why: RetryReason::Failed { attempt: a, .. }, .. } if a == attempt),
+            "attempt {attempt}: {verdict:?}"
+        );
+        assert_eq!(w.status("flaky"), Some(Status::Released));
+    }
+    assert_eq!(
+        w.deliver(m, Ok("at last")).await.unwrap(),
+        Verdict::Ack(Acked::Executed)
+    );
+}
+
+/// The verdict follows what the engine stored: under `always-final` a
+/// retryable failure is stored as failed, so the delivery is dead-lettered
+/// at once instead of being retried into a replayed failure.
+#[tokio::test]
+async fn under_always_final_a_retryable_failure_is_dead_lettered_at_once() {
+    let mut w = world(Some(DEFAULT_MAX_ATTEMPTS));
+    let mut config = w.consumer.config().clone();
+    config.policy.failure_mode = idem_engine::api::FailureMode::AlwaysFinal;
+    w.consumer = Consumer::new(w.consumer.engine().clone(), config);
+    let m = msg("m-500", b"x");
+    let dead = Verdict::DeadLetter(DeadLetterReason::Failed {
+        code: "upstream-500".into(),
+    });
+    assert_eq!(
+        w.deliver(m, Err(HandlerError::retryable("upstream-500", "boom")))
+            .await
+            .unwrap(),
+        dead
+    );
+    assert_eq!(w.status("m-500"), Some(Status::Failed));
+    assert_eq!(w.deliver(m, Ok("late")).await.unwrap(), dead);
+    assert_eq!(w.runs(), 1);
+}
+
+#[tokio::test]
 async fn a_final_failure_is_dead_lettered_at_once_and_replayed_as_final() {
-    let w = world(DEFAULT_MAX_ATTEMPTS);
+    let w = world(Some(DEFAULT_MAX_ATTEMPTS));
     let m = msg("declined", b"x");
     let dead = Verdict::DeadLetter(DeadLetterReason::Failed {
         code: "card-declined".into(),
@@ -141,7 +186,7 @@ async fn a_final_failure_is_dead_lettered_at_once_and_replayed_as_final() {
 
 #[tokio::test]
 async fn the_same_id_with_another_body_is_a_conflict_and_the_first_effect_stays() {
-    let w = world(DEFAULT_MAX_ATTEMPTS);
+    let w = world(Some(DEFAULT_MAX_ATTEMPTS));
     w.deliver(msg("m-1", b"first"), Ok("r1")).await.unwrap();
     assert_eq!(
         w.deliver(msg("m-1", b"second"), Ok("r2")).await.unwrap(),
@@ -154,7 +199,7 @@ async fn the_same_id_with_another_body_is_a_conflict_and_the_first_effect_stays(
 
 #[tokio::test]
 async fn an_unknown_outcome_is_parked_and_never_run_again() {
-    let w = world(DEFAULT_MAX_ATTEMPTS);
+    let w = world(Some(DEFAULT_MAX_ATTEMPTS));
     let m = msg("m-1", b"x");
     let parked = Verdict::DeadLetter(DeadLetterReason::OutcomeUnknown {
         code: "ledger-timeout".into(),
@@ -183,7 +228,7 @@ async fn an_unknown_outcome_is_parked_and_never_run_again() {
 
 #[tokio::test]
 async fn an_id_that_breaks_the_key_rules_is_dead_lettered_naming_the_rule() {
-    let w = world(DEFAULT_MAX_ATTEMPTS);
+    let w = world(Some(DEFAULT_MAX_ATTEMPTS));
     let verdict = w.deliver(msg("", b"x"), Ok("r")).await.unwrap();
     let Verdict::DeadLetter(DeadLetterReason::Invalid { message }) = verdict else {
         panic!("{verdict:?}");
@@ -195,7 +240,7 @@ async fn an_id_that_breaks_the_key_rules_is_dead_lettered_naming_the_rule() {
 
 #[tokio::test]
 async fn a_store_that_does_not_answer_is_an_error_never_an_ack() {
-    let w = world(DEFAULT_MAX_ATTEMPTS);
+    let w = world(Some(DEFAULT_MAX_ATTEMPTS));
     w.store.disconnect();
     let e = w.deliver(msg("m-1", b"x"), Ok("r")).await.unwrap_err();
     assert!(matches!(e.0, Error::Store(_)), "{e}");
@@ -212,7 +257,7 @@ async fn a_store_that_does_not_answer_is_an_error_never_an_ack() {
 /// its lease, so even past the first lease nobody takes it over.
 #[tokio::test(start_paused = true)]
 async fn a_redelivery_during_a_long_handler_is_retried_not_run() {
-    let w = world(DEFAULT_MAX_ATTEMPTS);
+    let w = world(Some(DEFAULT_MAX_ATTEMPTS));
     let (release, released) = tokio::sync::oneshot::channel::<()>();
     let first = {
         let consumer = w.consumer.clone();

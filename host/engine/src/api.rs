@@ -135,6 +135,14 @@ pub struct Policy {
     pub outcome_unknown: ExpiredLease,
     /// What a retryable failure does.
     pub failure_mode: FailureMode,
+    /// The most attempts a key may take when its failures are retryable
+    /// (at least 1): the engine stores the retryable failure of attempt
+    /// `max_attempts` as final, and [`Completion::Recorded`] says so.
+    /// `None`, the default: no limit. Attempts are counted by the record,
+    /// across owners and processes, so a crashed attempt counts too.
+    /// Absent from a serialized policy written before it existed: `None`.
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
     /// What to do while another owner is executing.
     pub in_progress: InProgressMode,
     /// JSON Pointers selecting the fingerprinted fields; empty for all.
@@ -158,6 +166,7 @@ impl Default for Policy {
             expired_lease: ExpiredLease::TakeOver,
             outcome_unknown: blocked(),
             failure_mode: FailureMode::HonorDisposition,
+            max_attempts: None,
             in_progress: InProgressMode::Reject,
             fingerprint_fields: Vec::new(),
             key_format: KeyFormat::default(),
@@ -367,8 +376,12 @@ impl Decision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Completion {
-    /// The outcome is stored.
-    Recorded,
+    /// The outcome is stored, and the key is now in this status:
+    /// succeeded after `complete`; after `fail`, released (retryable),
+    /// failed (final, or made final by the policy's `failure_mode` or
+    /// `max_attempts`) or outcome-unknown. A caller that retries goes by
+    /// this status, not by the disposition it passed.
+    Recorded(Status),
     /// A newer owner holds the key; nothing was written.
     LostOwnership,
 }

@@ -109,14 +109,14 @@ from_parts! {
     api::Policy {
         retention_ms: u64, lease_ms: u64, retry_after_ms: u64,
         expired_lease: api::ExpiredLease, outcome_unknown: api::ExpiredLease,
-        failure_mode: api::FailureMode,
+        failure_mode: api::FailureMode, max_attempts: Option<u32>,
         in_progress: api::InProgressMode, fingerprint_fields: Vec<String>,
         key_format: api::KeyFormat, max_body_bytes: u32,
     }
     wit_engine::Policy {
         retention_ms: u64, lease_ms: u64, retry_after_ms: u64,
         expired_lease: wit_engine::ExpiredLease, outcome_unknown: wit_engine::ExpiredLease,
-        failure_mode: wit_engine::FailureMode,
+        failure_mode: wit_engine::FailureMode, max_attempts: Option<u32>,
         in_progress: wit_engine::InProgressMode, fingerprint_fields: Vec<String>,
         key_format: wit_engine::KeyFormat, max_body_bytes: u32,
     }
@@ -173,7 +173,7 @@ structs! {
     api::WaitSpec => wit_engine::WaitSpec { max_wait_ms, poll_interval_ms }
     api::Policy => wit_engine::Policy {
         retention_ms, lease_ms, retry_after_ms, expired_lease, outcome_unknown, failure_mode,
-        in_progress, fingerprint_fields, key_format, max_body_bytes,
+        max_attempts, in_progress, fingerprint_fields, key_format, max_body_bytes,
     }
     api::BeginRequest => wit_engine::BeginRequest { key, attributes, body_kind, body, policy }
     api::Ticket => wit_engine::Ticket { key, record_id, fencing_token, lease_until, attempt }
@@ -203,7 +203,6 @@ enums! {
     api::InputRule => wit_engine::InputRule {
         Required, TooShort, TooLong, BadCharacter, BadFormat, NotJson, OutOfRange,
     }
-    api::Completion => wit_engine::Completion { Recorded, LostOwnership }
     api::Disposition => wit_engine::Disposition { Retryable, Final, OutcomeUnknown }
     api::Settlement => wit_engine::Settlement { Settled, Absent, NotStuck }
 }
@@ -247,6 +246,15 @@ impl Conv<api::Decision> for wit_engine::Decision {
             D::Failed(f) => api::Decision::Failed(f.conv()),
             D::OutcomeUnknown(u) => api::Decision::OutcomeUnknown(u.conv()),
             D::Invalid(i) => api::Decision::Invalid(i.conv()),
+        }
+    }
+}
+
+impl Conv<api::Completion> for wit_engine::Completion {
+    fn conv(self) -> api::Completion {
+        match self {
+            wit_engine::Completion::Recorded(s) => api::Completion::Recorded(s.conv()),
+            wit_engine::Completion::LostOwnership => api::Completion::LostOwnership,
         }
     }
 }

@@ -18,7 +18,7 @@ use crate::bounds::{Flavor, Guard, GuestBounds, Stopped};
 use crate::clock::Clock;
 use crate::embed::{self, IdemCtx, IdemCtxBuilder};
 use crate::store::{Storage, StoreError};
-use crate::types::{Failure, RecordKey, Success};
+use crate::types::{Failure, RecordKey, Status, Success};
 
 pub use crate::bounds::{DEFAULT_GUEST_DEADLINE, DEFAULT_MEMORY_LIMIT, EPOCH_TICK, PERF_MAP_VAR};
 
@@ -357,6 +357,11 @@ pub enum RunOutcome {
         ticket: Ticket,
         /// What the action reported.
         result: ActionResult,
+        /// The status its outcome left the key in, as the engine stored it
+        /// under the policy: a retryable failure can be stored as failed
+        /// (`failure_mode`, `max_attempts`). A caller that retries goes by
+        /// this, not by `result`'s disposition.
+        stored: Status,
     },
     /// The action ran, but a newer owner took the key over before the
     /// outcome could be stored; the outcome was discarded (and, inside a
@@ -410,7 +415,7 @@ impl Engine {
     }
 
     /// The names of the component's imports, as `interface#function`-free
-    /// instance names (e.g. `idem:engine/store@0.2.0`).
+    /// instance names (e.g. `idem:engine/store@0.3.0`).
     pub fn component_imports(&self) -> Vec<String> {
         let engine = &self.shared.loaded.engine;
         let component = self.shared.loaded.pre.instance_pre().component();
@@ -641,7 +646,11 @@ impl Engine {
             }
         };
         Ok(match completion {
-            Completion::Recorded => RunOutcome::Executed { ticket, result },
+            Completion::Recorded(stored) => RunOutcome::Executed {
+                ticket,
+                result,
+                stored,
+            },
             Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
         })
     }
@@ -678,9 +687,9 @@ impl Engine {
                     Error::Corrupt("the business transaction is still shared".into())
                 })?;
                 match completion {
-                    Ok(Completion::Recorded) => {
+                    Ok(recorded @ Completion::Recorded(_)) => {
                         tx.commit()?;
-                        Completion::Recorded
+                        recorded
                     }
                     Ok(Completion::LostOwnership) => {
                         tx.rollback()?;
@@ -701,7 +710,11 @@ impl Engine {
             }
         };
         Ok(match completion {
-            Completion::Recorded => RunOutcome::Executed { ticket, result },
+            Completion::Recorded(stored) => RunOutcome::Executed {
+                ticket,
+                result,
+                stored,
+            },
             Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
         })
     }
@@ -884,7 +897,11 @@ impl Engine {
             }
         };
         Ok(match completion {
-            Completion::Recorded => RunOutcome::Executed { ticket, result },
+            Completion::Recorded(stored) => RunOutcome::Executed {
+                ticket,
+                result,
+                stored,
+            },
             Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
         })
     }

@@ -275,6 +275,10 @@ impl PolicyConfig {
             // `final` (see `server_errors`); `always-final` would also store
             // the failures that must stay retryable (429, connection refused).
             failure_mode: FailureMode::HonorDisposition,
+            // HTTP clients choose their own retries, and the failures that
+            // stay retryable here (429, an unreachable upstream) never
+            // reached the action: no attempt limit makes them final.
+            max_attempts: None,
             in_progress: self.in_progress.unwrap_or_default().mode(),
             fingerprint_fields: self.fingerprint_fields.clone().unwrap_or_default(),
             key_format: KeyFormat::default(),

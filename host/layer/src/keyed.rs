@@ -490,7 +490,7 @@ impl Shared {
                 })
                 .await;
             match answer {
-                Ok(Completion::Recorded) => {
+                Ok(Completion::Recorded(_)) => {
                     tracing::debug!(outcome = outcome.name(), "outcome stored");
                     return Ok(());
                 }

@@ -393,7 +393,7 @@ async fn measure_idem(
                     Mode::OneTransaction => {
                         adapter
                             .run_blocking(
-                                |m: Incoming, engine: &Engine, request: &BeginRequest, _| {
+                                |m: Incoming, engine: &Engine, request: &BeginRequest| {
                                     engine.run_in_one_transaction(request, |_, conn| {
                                         order(&m.id, conn)
                                     })
@@ -406,10 +406,7 @@ async fn measure_idem(
                         adapter
                             .run_batch_blocking(
                                 usize::MAX,
-                                |ms: Vec<Incoming>,
-                                 engine: &Engine,
-                                 requests: &[BeginRequest],
-                                 _| {
+                                |ms: Vec<Incoming>, engine: &Engine, requests: &[BeginRequest]| {
                                     engine.run_batch_in_one_transaction(requests, |i, _, conn| {
                                         order(&ms[i].id, conn)
                                     })

@@ -90,8 +90,8 @@ use async_nats::jetstream::{self, AckKind, Context};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use idem_consumer::{
-    Acked, Batcher, Consumer, ConsumerError, DeadLetterReason, HandlerError, Message, RetryBudget,
-    RetryReason, Verdict,
+    Acked, Batcher, Consumer, ConsumerError, DeadLetterReason, HandlerError, Message, RetryReason,
+    Verdict,
 };
 use idem_engine::api::{BeginRequest, Ticket};
 use idem_engine::engine::{Engine, Error as EngineError, RunOutcome};
@@ -457,7 +457,7 @@ impl JetStreamAdapter {
     /// `context`.
     ///
     /// JetStream's `max_deliver` counts naks too: leave it unlimited (-1)
-    /// or well above the consumer's `max_attempts`, or JetStream gives up
+    /// or well above the policy's `max_attempts`, or JetStream gives up
     /// on a message before idem dead-letters it.
     pub fn new(
         context: Context,
@@ -491,7 +491,7 @@ impl JetStreamAdapter {
     /// `shutdown` completes are redelivered by JetStream after `ack_wait`.
     ///
     /// `handler` runs at most once per message id to success (a retryable
-    /// failure may run it again, up to the consumer's `max_attempts`).
+    /// failure may run it again, up to the policy's `max_attempts`).
     ///
     /// # Errors
     ///
@@ -518,7 +518,7 @@ impl JetStreamAdapter {
     /// typically a store's `run_in_transaction`, so that the message's
     /// business write and its transition to succeeded commit together.
     /// The handler gets the delivery, the engine, the engine request for
-    /// the message and the [`RetryBudget`] to apply to its action's result.
+    /// the message.
     ///
     /// # Errors
     ///
@@ -529,7 +529,7 @@ impl JetStreamAdapter {
         shutdown: impl Future<Output = ()>,
     ) -> Result<Report, NatsError>
     where
-        H: Fn(Incoming, &Engine, &BeginRequest, RetryBudget) -> Result<RunOutcome, EngineError>
+        H: Fn(Incoming, &Engine, &BeginRequest) -> Result<RunOutcome, EngineError>
             + Send
             + Sync
             + 'static,
@@ -562,7 +562,6 @@ impl JetStreamAdapter {
                 Vec<Incoming>,
                 &Engine,
                 &[BeginRequest],
-                RetryBudget,
             ) -> Result<Vec<Result<RunOutcome, EngineError>>, EngineError>
             + Send
             + Sync
@@ -582,8 +581,8 @@ impl JetStreamAdapter {
     ) -> Result<Report, NatsError> {
         self.check_setup().await?;
         let max_deliver = self.inner.pull.cached_info().config.max_deliver;
-        let max_attempts = self.inner.consumer.config().max_attempts;
-        if max_deliver > 0 && max_deliver <= i64::from(max_attempts) {
+        let max_attempts = self.inner.consumer.config().policy.max_attempts;
+        if max_deliver > 0 && max_attempts.is_none_or(|max| max_deliver <= i64::from(max)) {
             tracing::warn!(
                 max_deliver,
                 max_attempts,
@@ -745,7 +744,7 @@ struct BlockingHandler<H>(Arc<H>);
 
 impl<H> Decide for BlockingHandler<H>
 where
-    H: Fn(Incoming, &Engine, &BeginRequest, RetryBudget) -> Result<RunOutcome, EngineError>
+    H: Fn(Incoming, &Engine, &BeginRequest) -> Result<RunOutcome, EngineError>
         + Send
         + Sync
         + 'static,
@@ -758,9 +757,8 @@ where
     ) -> impl Future<Output = Result<Verdict, ConsumerError>> + Send + 'a {
         let handler = self.0.clone();
         async move {
-            let run = move |engine: &Engine, request: &BeginRequest, budget| {
-                handler(incoming, engine, request, budget)
-            };
+            let run =
+                move |engine: &Engine, request: &BeginRequest| handler(incoming, engine, request);
             consumer.handle_blocking(&keyed, run).await
         }
     }

@@ -561,10 +561,10 @@ async fn writers(tag: &str, batch: bool) -> anyhow::Result<usize> {
                     adapter
                         .run_batch_blocking(
                             usize::MAX,
-                            move |batch: Vec<Incoming>, engine: &Engine, requests, budget| {
+                            move |batch: Vec<Incoming>, engine: &Engine, requests| {
                                 largest.fetch_max(batch.len(), Ordering::SeqCst);
-                                engine.run_batch_in_one_transaction(requests, |i, ticket, conn| {
-                                    budget.apply(ticket, reserve(conn, &batch[i]))
+                                engine.run_batch_in_one_transaction(requests, |i, _, conn| {
+                                    reserve(conn, &batch[i])
                                 })
                             },
                             signal,
@@ -573,10 +573,9 @@ async fn writers(tag: &str, batch: bool) -> anyhow::Result<usize> {
                 } else {
                     adapter
                         .run_blocking(
-                            |incoming: Incoming, engine: &Engine, request, budget| {
-                                engine.run_in_transaction(request, |ticket, conn| {
-                                    budget.apply(ticket, reserve(conn, &incoming))
-                                })
+                            |incoming: Incoming, engine: &Engine, request| {
+                                engine
+                                    .run_in_transaction(request, |_, conn| reserve(conn, &incoming))
                             },
                             signal,
                         )
@@ -801,7 +800,7 @@ async fn a_poison_message_is_retried_with_backoff_then_dead_lettered_and_stays_d
     let broker = Broker::new("poison").await?;
     let pull = broker.consumer("poison", LONG_ACK_WAIT).await?;
     let mut settings = ConsumerConfig::new(BIZ);
-    settings.max_attempts = 3;
+    settings.policy.max_attempts = Some(3);
     settings.first_retry_delay = Duration::from_millis(100);
     let consumer = Consumer::new(engine_on(MemoryStore::new())?, settings);
     let runs = Runs::default();

@@ -271,8 +271,7 @@ async fn run(
                                 usize::from(DEFAULT_PREFETCH),
                                 move |ms: Vec<Incoming>,
                                       engine: &Engine,
-                                      requests: &[BeginRequest],
-                                      _| {
+                                      requests: &[BeginRequest]| {
                                     engine.run_batch_in_one_transaction(requests, |i, _, c| {
                                         write(&ms[i].id, c)
                                     })
@@ -285,7 +284,7 @@ async fn run(
                         let one = mode == Mode::OneTransaction;
                         rabbit
                             .run_blocking(
-                                move |m: Incoming, engine: &Engine, request: &BeginRequest, _| {
+                                move |m: Incoming, engine: &Engine, request: &BeginRequest| {
                                     if one {
                                         engine
                                             .run_in_one_transaction(request, |_, c| write(&m.id, c))

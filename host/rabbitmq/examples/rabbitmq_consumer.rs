@@ -66,23 +66,20 @@ async fn main() -> Result<()> {
         let task = tokio::spawn(async move {
             rabbit
                 .run_blocking(
-                    move |incoming, engine, request, budget| {
-                        engine.run_in_transaction(request, |ticket, conn| {
+                    move |incoming, engine, request| {
+                        engine.run_in_transaction(request, |_ticket, conn| {
                             let body = String::from_utf8_lossy(&incoming.body);
                             let written = conn.execute(
                                 "INSERT INTO reservations (message_id, body) VALUES (?1, ?2)",
                                 [incoming.id.as_str(), &body],
                             );
                             println!("consumer {n}: reserved {} {body}", incoming.id);
-                            budget.apply(
-                                ticket,
-                                match written {
-                                    Ok(_) => ActionResult::Succeeded(Success::with_ref(
-                                        incoming.id.clone(),
-                                    )),
-                                    Err(e) => ActionResult::retryable("db", e),
-                                },
-                            )
+                            match written {
+                                Ok(_) => {
+                                    ActionResult::Succeeded(Success::with_ref(incoming.id.clone()))
+                                }
+                                Err(e) => ActionResult::retryable("db", e),
+                            }
                         })
                     },
                     tokio::time::sleep(Duration::from_secs(3)),

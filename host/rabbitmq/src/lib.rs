@@ -47,7 +47,7 @@ use lapin::{BasicProperties, Channel};
 
 pub use idem_consumer::{
     Acked, Consumer, ConsumerConfig, ConsumerError, DeadLetterReason, HandlerError, Message,
-    RetryBudget, RetryReason, Verdict,
+    RetryReason, Verdict,
 };
 use idem_engine::api::BeginRequest;
 use idem_engine::engine::{Engine, Error as EngineError, RunOutcome};
@@ -363,7 +363,7 @@ impl RabbitConsumer {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), AdapterError>
     where
-        H: Fn(Incoming, &Engine, &BeginRequest, RetryBudget) -> Result<RunOutcome, EngineError>
+        H: Fn(Incoming, &Engine, &BeginRequest) -> Result<RunOutcome, EngineError>
             + Clone
             + Send
             + 'static,
@@ -379,8 +379,8 @@ impl RabbitConsumer {
                 let handler = handler.clone();
                 let owned = incoming.clone();
                 self.consumer
-                    .handle_blocking(&message, move |engine, request, budget| {
-                        handler(owned, engine, request, budget)
+                    .handle_blocking(&message, move |engine, request| {
+                        handler(owned, engine, request)
                     })
                     .await
             },
@@ -414,7 +414,6 @@ impl RabbitConsumer {
                 Vec<Incoming>,
                 &Engine,
                 &[BeginRequest],
-                RetryBudget,
             ) -> Result<Vec<Result<RunOutcome, EngineError>>, EngineError>
             + Clone
             + Send
@@ -441,8 +440,8 @@ impl RabbitConsumer {
                 let handler = handler.clone();
                 let owned = incoming.clone();
                 self.consumer
-                    .handle_batch_blocking(&messages, move |engine, requests, budget| {
-                        handler(owned, engine, requests, budget)
+                    .handle_batch_blocking(&messages, move |engine, requests| {
+                        handler(owned, engine, requests)
                     })
                     .await
             },

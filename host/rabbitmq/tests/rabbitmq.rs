@@ -336,7 +336,7 @@ async fn four_batching_consumers_write_each_message_once() -> Result<()> {
                 rabbit
                     .run_batch_blocking(
                         usize::from(idem_rabbitmq::DEFAULT_PREFETCH),
-                        move |batch: Vec<Incoming>, engine: &Engine, requests, _| {
+                        move |batch: Vec<Incoming>, engine: &Engine, requests| {
                             seen.fetch_max(batch.len(), Ordering::Relaxed);
                             engine.run_batch_in_one_transaction(requests, |i, _, conn| {
                                 match conn.execute("INSERT INTO orders VALUES (?1)", [&batch[i].id])
@@ -415,7 +415,7 @@ async fn two_consumers_on_one_postgres_database_take_each_message_once() -> Resu
 async fn poison_messages_are_retried_with_a_limit_then_dead_lettered() -> Result<()> {
     let queues = Queues::new("poison").await?;
     let mut config = ConsumerConfig::new("order.create");
-    config.max_attempts = 3;
+    config.policy.max_attempts = Some(3);
     config.first_retry_delay = Duration::from_millis(100);
     let consumer = consumer_on(idem_engine::MemoryStore::new(), config)?;
     queues.publish("poison", b"{}").await?;

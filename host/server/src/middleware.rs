@@ -735,9 +735,9 @@ mod tests {
         let imports: Vec<String> = ty.imports(&engine).map(|(n, _)| n.to_string()).collect();
         let exports: Vec<String> = ty.exports(&engine).map(|(n, _)| n.to_string()).collect();
         for name in [
-            "idem:engine/store@0.2.0",
-            "idem:engine/clock@0.2.0",
-            "idem:engine/http-bridge@0.2.0",
+            "idem:engine/store@0.3.0",
+            "idem:engine/clock@0.3.0",
+            "idem:engine/http-bridge@0.3.0",
             "wasi:http/types@0.2.12",
             "wasi:http/incoming-handler@0.2.12",
         ] {
@@ -756,7 +756,7 @@ mod tests {
                 .iter()
                 .any(|e| e == "wasi:http/incoming-handler@0.2.12")
         );
-        assert!(exports.iter().any(|e| e == "idem:engine/engine@0.2.0"));
+        assert!(exports.iter().any(|e| e == "idem:engine/engine@0.3.0"));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 // The engine API for Node: one instance of the idem engine component over a
 // store, a clock and a result lookup.
 
-import { callEngine, decisionOut, instantiateEngine, loadComponent, responseIn, successIn, toBytes, toWitPolicy } from "./host.js";
+import { callEngine, completionOut, decisionOut, instantiateEngine, loadComponent, responseIn, successIn, toBytes, toWitPolicy } from "./host.js";
 
 /** The component this package ships, loaded once per process. */
 const component = await loadComponent();
@@ -103,18 +103,29 @@ export class Idem {
     return callEngine(() => decisionOut(this.engine.begin(req)));
   }
 
-  /** Stores the success of the action owned by `ticket`: "recorded" or "lost-ownership". */
+  /**
+   * Stores the success of the action owned by `ticket`:
+   * `{ completion: "recorded", status: "succeeded" }` or
+   * `{ completion: "lost-ownership" }` (nothing was written).
+   */
   complete(ticket, policy, { resultRef, response } = {}) {
     const success = successIn({ resultRef, response });
-    return callEngine(() => this.engine.complete(ticket, toWitPolicy(policy), success)).tag;
+    return callEngine(() => completionOut(this.engine.complete(ticket, toWitPolicy(policy), success)));
   }
 
-  /** Stores a failure with its disposition ("retryable", "final", "outcome-unknown"). */
+  /**
+   * Stores a failure with its disposition ("retryable", "final",
+   * "outcome-unknown"): `{ completion: "recorded", status }` with the status
+   * the key was left in, or `{ completion: "lost-ownership" }`. The status
+   * follows the policy, not only the disposition: a retryable failure is
+   * "released" (the next request executes again), or "failed" under
+   * `failure_mode: "always-final"` or once the attempt reaches `max_attempts`.
+   */
   fail(ticket, policy, { code, message = "", response } = {}, disposition = "retryable") {
     if (!DISPOSITIONS.includes(disposition)) throw new TypeError(`fail: disposition must be one of ${DISPOSITIONS.join(", ")}, got ${JSON.stringify(disposition)}`);
     if (typeof code !== "string") throw new TypeError("fail: failure.code must be a string");
     const failure = { code, message: String(message), response: responseIn(response) };
-    return callEngine(() => this.engine.fail(ticket, toWitPolicy(policy), failure, disposition)).tag;
+    return callEngine(() => completionOut(this.engine.fail(ticket, toWitPolicy(policy), failure, disposition)));
   }
 
   /** Extends the lease: `{ extended: true, leaseUntil }` or `{ extended: false }` (lost ownership). */

@@ -108,13 +108,13 @@ export function instantiateEngine(component, { store, clock, results }) {
   const c = { now: () => BigInt(clock.now()), pause: (d) => clock.pause(d) };
   const r = { findResult: guard("find-result", (k) => foundIn(results.findResult(k))) };
   const imports = {
-    "idem:engine/store": s, "idem:engine/store@0.2.0": s,
-    "idem:engine/clock": c, "idem:engine/clock@0.2.0": c,
-    "idem:engine/results": r, "idem:engine/results@0.2.0": r,
-    "idem:engine/types": {}, "idem:engine/types@0.2.0": {},
+    "idem:engine/store": s, "idem:engine/store@0.3.0": s,
+    "idem:engine/clock": c, "idem:engine/clock@0.3.0": c,
+    "idem:engine/results": r, "idem:engine/results@0.3.0": r,
+    "idem:engine/types": {}, "idem:engine/types@0.3.0": {},
   };
   const exports = component.instantiate(component.getCoreModule, imports);
-  return exports.engine ?? exports["idem:engine/engine@0.2.0"];
+  return exports.engine ?? exports["idem:engine/engine@0.3.0"];
 }
 
 // ------------------------------------------------------------ policy
@@ -127,6 +127,7 @@ export const DEFAULT_POLICY = Object.freeze({
   expired_lease: "take-over",
   outcome_unknown: "manual",
   failure_mode: "honor-disposition",
+  max_attempts: null,
   in_progress: "reject",
   fingerprint_fields: [],
   key_format: Object.freeze({ min_length: 1, max_length: 255, charset: "printable-ascii" }),
@@ -162,10 +163,11 @@ function oneOf(path, v, allowed) {
 
 /**
  * A policy in the Rust crate's field names (snake_case, enum values in
- * kebab-case, `in_progress` as `"reject"` or `{ wait: { max_wait_ms,
- * poll_interval_ms } }`), merged over the defaults and converted to the
- * component's shape. Unknown fields and wrong types are refused, naming the
- * field and the rule; value ranges are the engine's to check.
+ * kebab-case, `max_attempts` as null for no limit, `in_progress` as
+ * `"reject"` or `{ wait: { max_wait_ms, poll_interval_ms } }`), merged over
+ * the defaults and converted to the component's shape. Unknown fields and
+ * wrong types are refused, naming the field and the rule; value ranges are
+ * the engine's to check.
  */
 export function toWitPolicy(policy = {}) {
   if (policy === null || typeof policy !== "object") throw new TypeError("policy must be an object");
@@ -196,6 +198,7 @@ export function toWitPolicy(policy = {}) {
     expiredLease: oneOf("expired_lease", p.expired_lease, ENUMS.expired_lease),
     outcomeUnknown: oneOf("outcome_unknown", p.outcome_unknown, ENUMS.outcome_unknown),
     failureMode: oneOf("failure_mode", p.failure_mode, ENUMS.failure_mode),
+    maxAttempts: p.max_attempts === null || p.max_attempts === undefined ? undefined : Number(uint("max_attempts", p.max_attempts, U32)),
     inProgress,
     fingerprintFields: [...p.fingerprint_fields],
     keyFormat: {
@@ -236,6 +239,20 @@ export function decisionOut(d) {
     case "outcome-unknown": return { decision: "outcome-unknown", since: num(v.since), attempts: v.attempts, failure: v.failure ? failureOut(v.failure) : null };
     case "invalid": return { decision: "invalid", field: v.field, rule: v.rule, message: v.message };
     default: throw new Error(`unknown decision ${d.tag}`);
+  }
+}
+
+/**
+ * The component's answer to `complete` and `fail` as a plain object with a
+ * `completion` tag: `{ completion: "recorded", status }`, `status` being the
+ * key's status now ("succeeded" after complete; "released", "failed" or
+ * "outcome-unknown" after fail), or `{ completion: "lost-ownership" }`.
+ */
+export function completionOut(c) {
+  switch (c.tag) {
+    case "recorded": return { completion: "recorded", status: c.val };
+    case "lost-ownership": return { completion: "lost-ownership" };
+    default: throw new Error(`unknown completion ${c.tag}`);
   }
 }
 

@@ -88,7 +88,7 @@ export function makeIdempotent(fn, options) {
     const body = result === undefined ? Buffer.alloc(0) : Buffer.from(JSON.stringify(result), "utf8");
     const ref = resultRef ? resultRef(result) : undefined;
     const c = idem.complete(ticket, policy, { resultRef: ref, response: { status: 200, headers: JSON_HEADERS, body } });
-    if (c === "lost-ownership") {
+    if (c.completion === "lost-ownership") {
       throw new IdempotencyLostOwnershipError(`the call with idempotency key ${JSON.stringify(k)} ran, but its lease was taken over; its result was not stored`, { result });
     }
     return result;

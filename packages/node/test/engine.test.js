@@ -14,7 +14,7 @@ test("execute, complete, then replay the stored response from the file", () => {
   assert.equal(d.decision, "execute");
   assert.equal(d.fencingToken, 1);
   assert.equal(d.attempt, 1);
-  assert.equal(idem.complete(d.ticket, {}, { resultRef: "order-1", response: ok(201, '{"order":"order-1"}') }), "recorded");
+  assert.deepEqual(idem.complete(d.ticket, {}, { resultRef: "order-1", response: ok(201, '{"order":"order-1"}') }), { completion: "recorded", status: "succeeded" });
   // A second engine over a second connection to the same file.
   const other = new Idem({ store: new SqliteStore(path), clock });
   const r = other.begin({ ...key("k1"), body: '{ "qty": 2, "sku": "A1" }', bodyKind: "json" });
@@ -54,9 +54,10 @@ test("an expired lease is taken over with a new fencing token; the old owner is 
   assert.equal(second.decision, "execute");
   assert.equal(second.fencingToken, 2);
   assert.equal(second.attempt, 2);
-  assert.equal(idem.complete(first.ticket, policy, { resultRef: "stale" }), "lost-ownership");
+  assert.deepEqual(idem.complete(first.ticket, policy, { resultRef: "stale" }), { completion: "lost-ownership" });
+  assert.deepEqual(idem.fail(first.ticket, policy, { code: "stale" }, "final"), { completion: "lost-ownership" });
   assert.deepEqual(idem.extend(first.ticket, policy), { extended: false });
-  assert.equal(idem.complete(second.ticket, policy, { resultRef: "fresh" }), "recorded");
+  assert.deepEqual(idem.complete(second.ticket, policy, { resultRef: "fresh" }), { completion: "recorded", status: "succeeded" });
   const r = idem.begin({ ...key("k1"), body: {}, policy });
   assert.equal(r.decision, "replay");
   assert.equal(r.resultRef, "fresh");
@@ -72,14 +73,14 @@ test("extend moves the lease to now plus lease_ms", () => {
 test("a final failure is replayed; a retryable one lets the next request execute", () => {
   const { idem } = setup();
   const a = idem.begin({ ...key("final"), body: {} });
-  idem.fail(a.ticket, {}, { code: "card-declined", message: "the card was declined" }, "final");
+  assert.deepEqual(idem.fail(a.ticket, {}, { code: "card-declined", message: "the card was declined" }, "final"), { completion: "recorded", status: "failed" });
   const f = idem.begin({ ...key("final"), body: {} });
   assert.equal(f.decision, "failed");
   assert.equal(f.failure.code, "card-declined");
   assert.equal(f.failure.message, "the card was declined");
 
   const b = idem.begin({ ...key("retry"), body: {} });
-  idem.fail(b.ticket, {}, { code: "db-down" }, "retryable");
+  assert.deepEqual(idem.fail(b.ticket, {}, { code: "db-down" }, "retryable"), { completion: "recorded", status: "released" });
   const again = idem.begin({ ...key("retry"), body: {} });
   assert.equal(again.decision, "execute");
   assert.equal(again.attempt, 2);
@@ -89,15 +90,66 @@ test("always-final stores a retryable failure as final", () => {
   const { idem } = setup();
   const policy = { failure_mode: "always-final" };
   const a = idem.begin({ ...key("k"), body: {}, policy });
-  idem.fail(a.ticket, policy, { code: "e500" }, "retryable");
+  assert.deepEqual(idem.fail(a.ticket, policy, { code: "e500" }, "retryable"), { completion: "recorded", status: "failed" });
   assert.equal(idem.begin({ ...key("k"), body: {}, policy }).decision, "failed");
+});
+
+test("max_attempts stores the retryable failure of the last attempt as final", () => {
+  const { idem } = setup();
+  const policy = { max_attempts: 2 };
+  const first = idem.begin({ ...key("k"), body: {}, policy });
+  assert.equal(first.decision, "execute");
+  assert.equal(first.attempt, 1);
+  assert.deepEqual(idem.fail(first.ticket, policy, { code: "db-down", message: "attempt 1" }, "retryable"), { completion: "recorded", status: "released" });
+  const second = idem.begin({ ...key("k"), body: {}, policy });
+  assert.equal(second.decision, "execute");
+  assert.equal(second.attempt, 2);
+  assert.deepEqual(idem.fail(second.ticket, policy, { code: "db-down", message: "attempt 2" }, "retryable"), { completion: "recorded", status: "failed" });
+  const third = idem.begin({ ...key("k"), body: {}, policy });
+  assert.equal(third.decision, "failed");
+  assert.equal(third.failure.code, "db-down");
+  assert.equal(third.failure.message, "attempt 2");
+  const s = idem.inspect(key("k"));
+  assert.equal(s.status, "failed");
+  assert.equal(s.attempts, 2);
+  // Without a limit (null, the default) the second retryable failure releases the key too.
+  const open = { max_attempts: null };
+  for (let attempt = 1; attempt <= 2; attempt++) {
+    const d = idem.begin({ ...key("open"), body: {}, policy: open });
+    assert.equal(d.attempt, attempt);
+    assert.deepEqual(idem.fail(d.ticket, open, { code: "db-down" }, "retryable"), { completion: "recorded", status: "released" });
+  }
+  assert.equal(idem.begin({ ...key("open"), body: {} }).decision, "execute");
+});
+
+test("max_attempts 0 is an invalid policy and writes nothing; a wrong type is refused before the engine", () => {
+  const { idem, store, clock } = setup();
+  const zero = { max_attempts: 0 };
+  const d = idem.begin({ ...key("k"), body: {}, policy: zero });
+  assert.deepEqual([d.decision, d.field, d.rule], ["invalid", "policy", "out-of-range"]);
+  assert.equal(store.count(), 0);
+  assert.equal(idem.inspect(key("k")), null);
+  // fail refuses it too, before writing: the key stays processing.
+  const e = idem.begin({ ...key("k"), body: {} });
+  clock.advance(10);
+  assert.throws(() => idem.fail(e.ticket, zero, { code: "db-down" }, "retryable"),
+    (err) => err instanceof EngineError && err.kind === "invalid" && err.field === "policy" && err.rule === "out-of-range");
+  const s = idem.inspect(key("k"));
+  assert.equal(s.status, "processing");
+  assert.equal(s.updatedAt, T0);
+  assert.equal(s.attempts, 1);
+  assert.equal(idem.begin({ ...key("k"), body: {}, policy: { max_attempts: 1 } }).decision, "in-progress");
+  assert.throws(() => idem.begin({ ...key("k2"), body: {}, policy: { max_attempts: -1 } }), /policy\.max_attempts must be a non-negative integer/);
+  assert.throws(() => idem.begin({ ...key("k2"), body: {}, policy: { max_attempts: "3" } }), /policy\.max_attempts must be a non-negative integer/);
+  assert.throws(() => idem.begin({ ...key("k2"), body: {}, policy: { max_attempts: 2 ** 32 } }), /policy\.max_attempts must be at most 4294967295/);
+  assert.equal(store.count(), 1);
 });
 
 test("outcome-unknown blocks the key while the lease lasts; manual keeps it blocked", () => {
   const { idem, clock } = setup();
   const policy = { expired_lease: "manual", lease_ms: 1000 };
   const a = idem.begin({ ...key("k"), body: {}, policy });
-  idem.fail(a.ticket, policy, { code: "timeout" }, "outcome-unknown");
+  assert.deepEqual(idem.fail(a.ticket, policy, { code: "timeout" }, "outcome-unknown"), { completion: "recorded", status: "outcome-unknown" });
   const u = idem.begin({ ...key("k"), body: {}, policy });
   assert.equal(u.decision, "outcome-unknown");
   assert.equal(u.failure.code, "timeout");
@@ -293,14 +345,14 @@ test("the business write and the completion commit together, or not at all", () 
   const d = idem.begin({ ...key("k"), body: {} });
   assert.throws(() => store.transaction((db) => {
     db.prepare("INSERT INTO orders VALUES ('k')").run();
-    assert.equal(idem.complete(d.ticket, {}, { resultRef: "order-1" }), "recorded");
+    assert.deepEqual(idem.complete(d.ticket, {}, { resultRef: "order-1" }), { completion: "recorded", status: "succeeded" });
     throw new Error("the business transaction fails after the completion");
   }), /fails after the completion/);
   assert.equal(Number(store.db.prepare("SELECT COUNT(*) AS n FROM orders").get().n), 0);
   assert.equal(idem.inspect(key("k")).status, "processing");
   store.transaction((db) => {
     db.prepare("INSERT INTO orders VALUES ('k')").run();
-    assert.equal(idem.complete(d.ticket, {}, { resultRef: "order-1" }), "recorded");
+    assert.deepEqual(idem.complete(d.ticket, {}, { resultRef: "order-1" }), { completion: "recorded", status: "succeeded" });
   });
   assert.equal(Number(store.db.prepare("SELECT COUNT(*) AS n FROM orders").get().n), 1);
   assert.equal(idem.begin({ ...key("k"), body: {} }).decision, "replay");

@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import T0
-from idem import EngineError, Idem, Response, SqliteStore, Success
+from idem import EngineError, Idem, LostOwnership, Recorded, Response, SqliteStore, Success
 
 S, B = "tenant-1", "order.create"
 
@@ -12,7 +12,8 @@ def test_execute_complete_replay_from_the_file(env):
     d = env.idem.begin(S, B, "k1", body={"sku": "A1", "qty": 2})
     assert d.decision == "execute" and d.fencing_token == 1 and d.attempt == 1
     resp = Response(201, [("content-type", b"application/json")], b'{"order":"order-1"}')
-    assert env.idem.complete(d.ticket, result_ref="order-1", response=resp) == "recorded"
+    c = env.idem.complete(d.ticket, result_ref="order-1", response=resp)
+    assert c == Recorded("succeeded") and (c.completion, c.status) == ("recorded", "succeeded")
     other = Idem(SqliteStore(env.path), clock=env.clock)
     r = other.begin(S, B, "k1", body=b'{ "qty": 2, "sku": "A1" }', body_kind="json")
     assert r.decision == "replay"
@@ -40,9 +41,11 @@ def test_lease_take_over_with_fencing(env):
     env.clock.advance(1001)
     second = env.idem.begin(S, B, "k1", body={}, policy=policy)
     assert second.decision == "execute" and second.fencing_token == 2 and second.attempt == 2
-    assert env.idem.complete(first.ticket, policy, result_ref="stale") == "lost-ownership"
+    lost = env.idem.complete(first.ticket, policy, result_ref="stale")
+    assert lost == LostOwnership() and lost.completion == "lost-ownership"
+    assert env.idem.fail(first.ticket, policy, code="stale", disposition="final") == LostOwnership()
     assert env.idem.extend(first.ticket, policy) is None
-    assert env.idem.complete(second.ticket, policy, result_ref="fresh") == "recorded"
+    assert env.idem.complete(second.ticket, policy, result_ref="fresh") == Recorded("succeeded")
     r = env.idem.begin(S, B, "k1", body={}, policy=policy)
     assert r.decision == "replay" and r.result_ref == "fresh"
 
@@ -55,19 +58,72 @@ def test_extend(env):
 
 def test_final_and_retryable_failures(env):
     a = env.idem.begin(S, B, "final", body={})
-    env.idem.fail(a.ticket, code="card-declined", message="the card was declined", disposition="final")
+    c = env.idem.fail(a.ticket, code="card-declined", message="the card was declined", disposition="final")
+    assert c == Recorded("failed")
     f = env.idem.begin(S, B, "final", body={})
     assert f.decision == "failed" and f.failure.code == "card-declined" and f.failure.message == "the card was declined"
     b = env.idem.begin(S, B, "retry", body={})
-    env.idem.fail(b.ticket, code="db-down", disposition="retryable")
+    assert env.idem.fail(b.ticket, code="db-down", disposition="retryable") == Recorded("released")
     again = env.idem.begin(S, B, "retry", body={})
     assert again.decision == "execute" and again.attempt == 2
+
+
+def test_always_final_stores_a_retryable_failure_as_final(env):
+    policy = {"failure_mode": "always-final"}
+    a = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert env.idem.fail(a.ticket, policy, code="e500", disposition="retryable") == Recorded("failed")
+    assert env.idem.begin(S, B, "k", body={}, policy=policy).decision == "failed"
+
+
+def test_max_attempts_stores_the_retryable_failure_of_the_last_attempt_as_final(env):
+    policy = {"max_attempts": 2}
+    first = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert first.decision == "execute" and first.attempt == 1
+    c = env.idem.fail(first.ticket, policy, code="db-down", message="attempt 1", disposition="retryable")
+    assert c == Recorded("released") and c.status == "released"
+    second = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert second.decision == "execute" and second.attempt == 2
+    c = env.idem.fail(second.ticket, policy, code="db-down", message="attempt 2", disposition="retryable")
+    assert c == Recorded("failed") and c.status == "failed"
+    third = env.idem.begin(S, B, "k", body={}, policy=policy)
+    assert third.decision == "failed" and third.failure.code == "db-down" and third.failure.message == "attempt 2"
+    s = env.idem.inspect(S, B, "k")
+    assert s["status"] == "failed" and s["attempts"] == 2
+    # Without a limit (None, the default) the second retryable failure releases the key too.
+    unlimited = {"max_attempts": None}
+    for attempt in (1, 2):
+        d = env.idem.begin(S, B, "open", body={}, policy=unlimited)
+        assert d.attempt == attempt
+        assert env.idem.fail(d.ticket, unlimited, code="db-down", disposition="retryable") == Recorded("released")
+    assert env.idem.begin(S, B, "open", body={}).decision == "execute"
+
+
+def test_max_attempts_0_is_an_invalid_policy_and_writes_nothing(env):
+    zero = {"max_attempts": 0}
+    d = env.idem.begin(S, B, "k", body={}, policy=zero)
+    assert (d.decision, d.field, d.rule) == ("invalid", "policy", "out-of-range")
+    assert env.store.count() == 0 and env.idem.inspect(S, B, "k") is None
+    # fail refuses it too, before writing: the key stays processing.
+    e = env.idem.begin(S, B, "k", body={})
+    env.clock.advance(10)
+    with pytest.raises(EngineError) as err:
+        env.idem.fail(e.ticket, zero, code="db-down", disposition="retryable")
+    assert (err.value.kind, err.value.field, err.value.rule) == ("invalid", "policy", "out-of-range")
+    s = env.idem.inspect(S, B, "k")
+    assert s["status"] == "processing" and s["updated_at"] == T0 and s["attempts"] == 1
+    assert env.idem.begin(S, B, "k", body={}, policy={"max_attempts": 1}).decision == "in-progress"
+    # A wrong type or a value no u32 holds is refused before the engine.
+    for bad in (-1, "3", True, 1 << 32):
+        with pytest.raises(ValueError, match="policy.max_attempts must be an integer from 0 to 4294967295"):
+            env.idem.begin(S, B, "k2", body={}, policy={"max_attempts": bad})
+    assert env.store.count() == 1
 
 
 def test_outcome_unknown_manual(env):
     policy = {"expired_lease": "manual", "lease_ms": 1000}
     a = env.idem.begin(S, B, "k", body={}, policy=policy)
-    env.idem.fail(a.ticket, policy, code="timeout", disposition="outcome-unknown")
+    c = env.idem.fail(a.ticket, policy, code="timeout", disposition="outcome-unknown")
+    assert c == Recorded("outcome-unknown")
     u = env.idem.begin(S, B, "k", body={}, policy=policy)
     assert u.decision == "outcome-unknown" and u.failure.code == "timeout"
     env.clock.advance(5000)
@@ -280,13 +336,13 @@ def test_business_write_and_completion_commit_together(env):
     with pytest.raises(RuntimeError):
         with env.store.transaction() as conn:
             conn.execute("INSERT INTO orders VALUES ('k')")
-            assert env.idem.complete(d.ticket, result_ref="order-1") == "recorded"
+            assert env.idem.complete(d.ticket, result_ref="order-1") == Recorded("succeeded")
             raise RuntimeError("the business transaction fails after the completion")
     # Both rolled back: no row, and the key is still being processed.
     assert c.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
     assert env.idem.inspect(S, B, "k")["status"] == "processing"
     with env.store.transaction() as conn:
         conn.execute("INSERT INTO orders VALUES ('k')")
-        assert env.idem.complete(d.ticket, result_ref="order-1") == "recorded"
+        assert env.idem.complete(d.ticket, result_ref="order-1") == Recorded("succeeded")
     assert c.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
     assert env.idem.begin(S, B, "k", body={}).decision == "replay"

@@ -2,11 +2,14 @@
 the policy lowered once per distinct value, records lowered into a copy of
 a per-type template and lifted from one snapshot, `list<u8>` in one pass."""
 
+import ctypes
+
 import pytest
 
 from conftest import T0
-from idem import Response
-from idem._host import Lowered, record
+from idem import Recorded, Response
+from idem import _host as h
+from idem._host import Lowered, record, wit_policy
 
 S, B = "tenant-1", "order.create"
 
@@ -24,6 +27,36 @@ def test_a_policy_is_lowered_once_and_a_changed_one_again(env):
     e = env.idem.begin(S, B, "k1", body={}, policy=policy)
     assert e.decision == "execute" and e.lease_until == T0 + 1001 + 2000
     assert env.idem.begin(S, B, "k2", body={}).lease_until == T0 + 1001 + 60_000
+
+
+@pytest.mark.parametrize("max_attempts", [None, 1, 3, (1 << 32) - 1])
+def test_the_policy_record_with_max_attempts_round_trips(env, max_attempts):
+    """The policy's `max-attempts` (an option<u32> after the failure-mode
+    enum), through the generated lowering and lifting and through
+    wasmtime-py's conversions (the record template, `some` built in place)."""
+    ty = env.idem._exports._policy_type
+    names = [n for n, _ in ty.fields]
+    assert names[names.index("failure-mode"):names.index("failure-mode") + 3] == ["failure-mode", "max-attempts", "in-progress"]
+    value = wit_policy({"failure_mode": "always-final", "max_attempts": max_attempts, "lease_ms": 1234})
+    low = Lowered(ty, value)
+    raw = h._VAL()
+    ty.convert_to_c(env.idem._exports.store, value, ctypes.pointer(raw))
+    for got in (h._lifter(ty)(low.top, 0), ty.convert_from_c(raw)):
+        assert getattr(got, "max-attempts") == max_attempts
+        assert getattr(got, "failure-mode") == "always-final" and getattr(got, "in-progress") is None
+        assert getattr(got, "lease-ms") == 1234 and getattr(got, "key-format").charset == "printable-ascii"
+
+
+def test_max_attempts_is_part_of_the_lowered_policy(env):
+    ex = env.idem._exports
+    assert ex.policy({"max_attempts": 1}) is not ex.policy({"max_attempts": 2})
+    d = env.idem.begin(S, B, "k1", body={}, policy={"max_attempts": 2})
+    assert env.idem.fail(d.ticket, {"max_attempts": 2}, code="e", disposition="retryable") == Recorded("released")
+    d = env.idem.begin(S, B, "k1", body={}, policy={"max_attempts": 2})
+    assert env.idem.fail(d.ticket, {"max_attempts": 3}, code="e", disposition="retryable") == Recorded("released")
+    d = env.idem.begin(S, B, "k1", body={})
+    assert d.attempt == 3
+    assert env.idem.fail(d.ticket, {"max_attempts": 3}, code="e", disposition="retryable") == Recorded("failed")
 
 
 def test_a_wrong_policy_is_refused_on_every_call(env):
@@ -54,7 +87,7 @@ def test_a_wrong_field_type_fails_cleanly_and_the_instance_goes_on(env):
     d = env.idem.begin(S, B, "k1", body={})
     with pytest.raises(TypeError):
         env.idem.complete(d.ticket, response=Response(201, [("a", b"b")], "not bytes"))
-    assert env.idem.complete(d.ticket, result_ref="r") == "recorded"
+    assert env.idem.complete(d.ticket, result_ref="r") == Recorded("succeeded")
     assert env.idem.inspect(S, B, "k1")["status"] == "succeeded"
 
 
@@ -63,7 +96,7 @@ def test_bodies_and_records_round_trip(env, size):
     body = bytes(i % 256 for i in range(size))
     resp = Response(299, [("x-a", b""), ("x-b", bytes(range(256)))], body)
     d = env.idem.begin(S, B, f"k{size}", body=body)
-    assert env.idem.complete(d.ticket, result_ref=None, response=resp) == "recorded"
+    assert env.idem.complete(d.ticket, result_ref=None, response=resp) == Recorded("succeeded")
     for _ in range(3):
         r = env.idem.begin(S, B, f"k{size}", body=body)
         assert r.decision == "replay" and r.response == resp and r.result_ref is None
@@ -82,7 +115,12 @@ import idem._host as h
 ex = Idem(SqliteStore(os.path.join(tempfile.mkdtemp(), "idem.db")))._exports
 policy_type = ex._policy_type
 variant_type = dict(policy_type.fields)["in-progress"]  # `reject` has no payload, only its case name
-for ty, value in ((variant_type, None), (policy_type, ex.policy(None))):
+cases = ((variant_type, None, lambda got: got is None),
+         (policy_type, ex.policy(None),
+          lambda got: getattr(got, "lease-ms") == 60_000 and getattr(got, "max-attempts") is None),
+         (policy_type, ex.policy({"max_attempts": 3}),
+          lambda got: getattr(got, "max-attempts") == 3 and getattr(got, "in-progress") is None))
+for ty, value, check in cases:
     sig = object.__new__(h._Signature)
     sig.params, sig.lift_params, sig.result = [], [], ty
     sig.lower_result, sig.result_flat = h._lowerer(ty), type(ty) in h._FLAT
@@ -94,7 +132,7 @@ for ty, value in ((variant_type, None), (policy_type, ex.policy(None))):
     got = h._lifter(ty)(ctypes.string_at(ctypes.addressof(results), 32), 0)
     h._val_delete(ctypes.byref(results))  # what the C API does once the callback returns
     del h._IMPORTS[idx]
-    assert got is None if value is None else getattr(got, "lease-ms") == 60_000, got
+    assert check(got), got
 print("ok")
 """
 

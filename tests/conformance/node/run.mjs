@@ -293,8 +293,9 @@ const failure = (v) => ({ code: str(v.code), message: v.message === undefined ? 
 
 const DEFAULT_POLICY = {
   "retention-ms": 3600000, "lease-ms": 30000, "retry-after-ms": 1000, "expired-lease": "take-over",
-  "outcome-unknown": "manual", "failure-mode": "honor-disposition", "in-progress": "reject", "fingerprint-fields": [],
-  "key-format": { "min-length": 1, "max-length": 255, "charset": "printable-ascii" }, "max-body-bytes": 1048576,
+  "outcome-unknown": "manual", "failure-mode": "honor-disposition", "max-attempts": null, "in-progress": "reject",
+  "fingerprint-fields": [], "key-format": { "min-length": 1, "max-length": 255, "charset": "printable-ascii" },
+  "max-body-bytes": 1048576,
 };
 
 function merge(base, over) {
@@ -315,6 +316,8 @@ function policy(p) {
     expiredLease: p["expired-lease"],
     outcomeUnknown: p["outcome-unknown"],
     failureMode: p["failure-mode"],
+    // option<u32>: null (or absent) is none.
+    maxAttempts: p["max-attempts"] === null || p["max-attempts"] === undefined ? undefined : p["max-attempts"],
     inProgress: ip === "reject" ? { tag: "reject" }
       : { tag: "wait", val: { maxWaitMs: BigInt(ip.wait["max-wait-ms"]), pollIntervalMs: BigInt(ip.wait["poll-interval-ms"]) } },
     fingerprintFields: list(p["fingerprint-fields"]).map(str),
@@ -365,6 +368,8 @@ function errorJson(e) {
     default: throw new Error(`unknown engine error ${e.tag}`);
   }
 }
+
+const completionJson = (c) => (c.tag === "recorded" ? { completion: "recorded", status: c.val } : { completion: c.tag });
 
 const statusJson = (s) => (s === undefined || s === null ? null : {
   status: s.status, "created-at": time(s.createdAt), "updated-at": time(s.updatedAt), "expires-at": time(s.expiresAt),
@@ -472,9 +477,9 @@ class Ctx {
         return result;
       }
       case "complete":
-        return call(() => e.complete(this.ticket(step), this.policy(step), success(step.success)), (c) => ({ completion: c.tag }));
+        return call(() => e.complete(this.ticket(step), this.policy(step), success(step.success)), completionJson);
       case "fail":
-        return call(() => e.fail(this.ticket(step), this.policy(step), failure(step.failure), step.disposition), (c) => ({ completion: c.tag }));
+        return call(() => e.fail(this.ticket(step), this.policy(step), failure(step.failure), step.disposition), completionJson);
       case "extend":
         return call(() => e.extend(this.ticket(step), this.policy(step)),
           (x) => (x.tag === "extended" ? { extension: "extended", "lease-until": time(x.val) } : { extension: x.tag }));

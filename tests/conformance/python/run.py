@@ -352,8 +352,9 @@ def failure(v):
 
 DEFAULT_POLICY = {
     "retention-ms": 3600000, "lease-ms": 30000, "retry-after-ms": 1000, "expired-lease": "take-over",
-    "outcome-unknown": "manual", "failure-mode": "honor-disposition", "in-progress": "reject", "fingerprint-fields": [],
-    "key-format": {"min-length": 1, "max-length": 255, "charset": "printable-ascii"}, "max-body-bytes": 1048576,
+    "outcome-unknown": "manual", "failure-mode": "honor-disposition", "max-attempts": None, "in-progress": "reject",
+    "fingerprint-fields": [], "key-format": {"min-length": 1, "max-length": 255, "charset": "printable-ascii"},
+    "max-body-bytes": 1048576,
 }
 
 
@@ -378,6 +379,7 @@ def policy(p):
         expired_lease=p["expired-lease"],
         outcome_unknown=p["outcome-unknown"],
         failure_mode=p["failure-mode"],
+        max_attempts=p["max-attempts"],  # option<u32>: None is none
         # in-progress-mode is untagged in wasmtime-py: None is `reject`, a record is `wait`.
         in_progress=None if ip == "reject" else record(
             max_wait_ms=ip["wait"]["max-wait-ms"], poll_interval_ms=ip["wait"]["poll-interval-ms"]),
@@ -458,6 +460,15 @@ def status_json(s):
 def report_json(r):
     return {"examined": r.examined, "succeeded": r.succeeded, "released": r.released,
             "left-for-manual": get(r, "left-for-manual"), "skipped": r.skipped, "lookup-errors": get(r, "lookup-errors")}
+
+
+def completion_json(c):
+    # completion is untagged in wasmtime-py: a str (the status) is `recorded`, None is `lost-ownership`.
+    if isinstance(c, str):
+        return {"completion": "recorded", "status": c}
+    if c is None:
+        return {"completion": "lost-ownership"}
+    raise ValueError(f"unknown completion {c!r}")
 
 
 def extension_json(x):
@@ -571,10 +582,10 @@ class Ctx:
             return outcome(result, decision_json)
         if op == "complete":
             return outcome(e.call("complete", self.ticket(step), self.policy(step), success(step.get("success"))),
-                           lambda c: {"completion": c.tag})
+                           completion_json)
         if op == "fail":
             return outcome(e.call("fail", self.ticket(step), self.policy(step), failure(step["failure"]), step["disposition"]),
-                           lambda c: {"completion": c.tag})
+                           completion_json)
         if op == "extend":
             return outcome(e.call("extend", self.ticket(step), self.policy(step)), extension_json)
         if op == "reconcile":

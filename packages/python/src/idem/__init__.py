@@ -22,9 +22,11 @@ from .engine import (
     Idem,
     InProgress,
     Invalid,
+    LostOwnership,
     ManualClock,
     Mismatch,
     OutcomeUnknown,
+    Recorded,
     Replay,
     Response,
     Success,
@@ -36,7 +38,7 @@ __all__ = [
     "DEFAULT_POLICY", "EngineError", "StoreError", "IdempotencyMiddleware", "IdempotencyError",
     "IdempotencyFailedError", "IdempotencyInProgressError", "IdempotencyKeyMismatchError",
     "IdempotencyLostOwnershipError", "IdempotencyOutcomeUnknownError", "IdempotencyValidationError",
-    "idempotent", "Execute", "Failed", "Failure", "Idem", "InProgress", "Invalid", "ManualClock", "Mismatch",
-    "OutcomeUnknown", "Replay", "Response", "Success", "SystemClock", "SqliteStore",
+    "idempotent", "Execute", "Failed", "Failure", "Idem", "InProgress", "Invalid", "LostOwnership", "ManualClock",
+    "Mismatch", "OutcomeUnknown", "Recorded", "Replay", "Response", "Success", "SystemClock", "SqliteStore",
 ]
 __version__ = "0.1.0"

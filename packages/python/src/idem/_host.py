@@ -22,7 +22,7 @@ from wasmtime import _ffi as ffi
 from wasmtime.component import Component, Linker, Record, Variant
 from wasmtime.component._types import ListType, ResultType
 
-PACKAGE = "idem:engine/{}@0.2.0"
+PACKAGE = "idem:engine/{}@0.3.0"
 # The largest integer a SQL column holds.
 I64_MAX = (1 << 63) - 1
 
@@ -1360,6 +1360,7 @@ DEFAULT_POLICY: dict[str, Any] = {
     "expired_lease": "take-over",
     "outcome_unknown": "manual",
     "failure_mode": "honor-disposition",
+    "max_attempts": None,
     "in_progress": "reject",
     "fingerprint_fields": [],
     "key_format": {"min_length": 1, "max_length": 255, "charset": "printable-ascii"},
@@ -1406,9 +1407,10 @@ def merge_policy(policy: dict[str, Any] | None) -> dict[str, Any]:
 
 def wit_policy(policy: dict[str, Any] | None) -> Record:
     """A policy in the Rust crate's field names (snake_case; enum values in
-    kebab-case; `in_progress` is "reject" or {"wait": {"max_wait_ms",
-    "poll_interval_ms"}}) as the component's record. Wrong types are refused
-    naming the field and the rule; value ranges are the engine's to check."""
+    kebab-case; `max_attempts` is None for no limit; `in_progress` is
+    "reject" or {"wait": {"max_wait_ms", "poll_interval_ms"}}) as the
+    component's record. Wrong types are refused naming the field and the
+    rule; value ranges are the engine's to check."""
     p = merge_policy(policy)
     ip = p["in_progress"]
     if ip == "reject":
@@ -1430,6 +1432,7 @@ def wit_policy(policy: dict[str, Any] | None) -> Record:
         expired_lease=_one_of("expired_lease", p["expired_lease"], _ENUMS["expired_lease"]),
         outcome_unknown=_one_of("outcome_unknown", p["outcome_unknown"], _ENUMS["outcome_unknown"]),
         failure_mode=_one_of("failure_mode", p["failure_mode"], _ENUMS["failure_mode"]),
+        max_attempts=None if p["max_attempts"] is None else _uint("max_attempts", p["max_attempts"], _U32),
         in_progress=in_progress,
         fingerprint_fields=list(ff),
         key_format=record(min_length=_uint("key_format.min_length", kf["min_length"], _U32),

@@ -127,7 +127,7 @@ def idempotent(idem: Idem, biz_type: str, *, key: Callable[..., str],
         body = b"" if result is None else json.dumps(result, separators=(",", ":")).encode("utf-8")
         ref = result_ref(result) if result_ref else None
         c = idem.complete(ticket, policy, result_ref=ref, response=Response(200, _JSON, body))
-        if c == "lost-ownership":
+        if c.completion == "lost-ownership":
             raise IdempotencyLostOwnershipError(
                 "the call ran, but its lease was taken over; its result was not stored", result)
         return result

@@ -156,6 +156,28 @@ class Invalid:
 
 Decision = Union[Execute, Replay, InProgress, Mismatch, Failed, OutcomeUnknown, Invalid]
 
+
+@dataclass(frozen=True)
+class Recorded:
+    """The outcome is stored, and the key is now in ``status``:
+    "succeeded" after ``complete``; after ``fail``, "released" (a retryable
+    failure: the next request executes again), "failed" (a final failure,
+    or a retryable one made final by ``failure_mode="always-final"`` or
+    ``max_attempts``) or "outcome-unknown". A caller that retries goes by
+    ``status``, not by the disposition it passed."""
+    status: str
+    completion: str = "recorded"
+
+
+@dataclass(frozen=True)
+class LostOwnership:
+    """The lease was taken over (or the record is gone): nothing was
+    written; the caller's own outcome is discarded."""
+    completion: str = "lost-ownership"
+
+
+Completion = Union[Recorded, LostOwnership]
+
 DISPOSITIONS = ("retryable", "final", "outcome-unknown")
 
 
@@ -188,6 +210,16 @@ def decision_out(d: Any) -> Decision:
     if tag == "invalid":
         return Invalid(v.field, v.rule, v.message)
     raise ValueError(f"unknown decision {tag}")
+
+
+def completion_out(c: Any) -> Completion:
+    """The component's answer to ``complete`` and ``fail``."""
+    # completion is untagged in wasmtime-py: a str (the status) is `recorded`, None is `lost-ownership`.
+    if c is None:
+        return LostOwnership()
+    if isinstance(c, str):
+        return Recorded(c)
+    raise ValueError(f"unknown completion {c!r}")
 
 
 def _key(scope: str, biz_type: str, key: str, what: str) -> Record:
@@ -247,22 +279,29 @@ class Idem:
             return decision_out(unwrap(self._exports.call("begin", req)))
 
     def complete(self, ticket: Any, policy: Optional[dict[str, Any]] = None, *, result_ref: Optional[str] = None,
-                 response: Optional[Response] = None) -> str:
+                 response: Optional[Response] = None) -> Completion:
         """Stores the success of the action owned by ``ticket``:
-        "recorded" or "lost-ownership"."""
+        ``Recorded(status="succeeded")``, or ``LostOwnership()`` (nothing
+        was written). Both have ``completion``, "recorded" or
+        "lost-ownership"."""
         success = success_in(result_ref, response)
-        return self._call("complete", ticket, self._exports.policy(policy), success).tag
+        return completion_out(self._call("complete", ticket, self._exports.policy(policy), success))
 
     def fail(self, ticket: Any, policy: Optional[dict[str, Any]] = None, *, code: str, message: str = "",
-             response: Optional[Response] = None, disposition: str = "retryable") -> str:
+             response: Optional[Response] = None, disposition: str = "retryable") -> Completion:
         """Stores a failure with its disposition ("retryable", "final",
-        "outcome-unknown"): "recorded" or "lost-ownership"."""
+        "outcome-unknown"): ``Recorded(status)`` with the status the key was
+        left in, or ``LostOwnership()``. The status follows the policy, not
+        only the disposition: a retryable failure is "released" (the next
+        request executes again), or "failed" under
+        ``failure_mode="always-final"`` or once the attempt reaches
+        ``max_attempts``."""
         if disposition not in DISPOSITIONS:
             raise ValueError(f"fail: disposition must be one of {', '.join(DISPOSITIONS)}, got {disposition!r}")
         if not isinstance(code, str):
             raise TypeError("fail: code must be a str")
         failure = record(code=code, message=str(message), response=response_in(response))
-        return self._call("fail", ticket, self._exports.policy(policy), failure, disposition).tag
+        return completion_out(self._call("fail", ticket, self._exports.policy(policy), failure, disposition))
 
     def extend(self, ticket: Any, policy: Optional[dict[str, Any]] = None) -> Optional[int]:
         """Extends the lease: the new end, or None when ownership was lost."""
