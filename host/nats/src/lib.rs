@@ -586,8 +586,9 @@ impl JetStreamAdapter {
             tracing::warn!(
                 max_deliver,
                 max_attempts,
-                "JetStream's max_deliver (naks count too) is not above idem's max_attempts: \
-                 JetStream may give up on a message before idem dead-letters it"
+                "JetStream's max_deliver (naks count too) is not above the policy's max_attempts, \
+                 or the policy has none: JetStream may give up on a message before idem \
+                 dead-letters it"
             );
         }
         let max_in_flight = self.inner.config.max_in_flight.max(1);
