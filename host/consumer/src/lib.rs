@@ -33,9 +33,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_engine::api::{
-    BeginRequest, Completion, Decision, Disposition, Extension, Policy, Ticket,
-};
+use idem_engine::api::{BeginRequest, Decision, Disposition, Extension, Policy, Ticket};
 use idem_engine::engine::{ActionResult, Engine, Error, RunOutcome};
 use idem_engine::types::{Failure, RecordKey, Status, Success};
 
@@ -355,14 +353,7 @@ impl Consumer {
                 ActionResult::Failed(f, d) => e.fail(&t, &p, f, *d),
             })
             .await?;
-        Ok(self.verdict(match completion {
-            Completion::Recorded(stored) => RunOutcome::Executed {
-                ticket,
-                result,
-                stored,
-            },
-            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
-        }))
+        Ok(self.verdict(RunOutcome::settled(ticket, result, completion)))
     }
 
     /// Like [`Consumer::handle`], for a blocking `run` that drives the

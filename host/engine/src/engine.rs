@@ -374,6 +374,21 @@ pub enum RunOutcome {
     NotExecuted(Decision),
 }
 
+impl RunOutcome {
+    /// What an executed action came to, once `complete` or `fail` answered
+    /// `completion` for its `result`.
+    pub fn settled(ticket: Ticket, result: ActionResult, completion: Completion) -> Self {
+        match completion {
+            Completion::Recorded(stored) => RunOutcome::Executed {
+                ticket,
+                result,
+                stored,
+            },
+            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
+        }
+    }
+}
+
 /// The idempotency engine. Cheap to clone and safe to share across threads.
 #[derive(Clone)]
 pub struct Engine {
@@ -645,14 +660,7 @@ impl Engine {
                 self.fail(&ticket, &request.policy, failure, *disposition)?
             }
         };
-        Ok(match completion {
-            Completion::Recorded(stored) => RunOutcome::Executed {
-                ticket,
-                result,
-                stored,
-            },
-            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
-        })
+        Ok(RunOutcome::settled(ticket, result, completion))
     }
 
     /// Like [`Engine::run`], for business data in the storage backend's
@@ -709,14 +717,7 @@ impl Engine {
                 self.fail(&ticket, &request.policy, failure, *disposition)?
             }
         };
-        Ok(match completion {
-            Completion::Recorded(stored) => RunOutcome::Executed {
-                ticket,
-                result,
-                stored,
-            },
-            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
-        })
+        Ok(RunOutcome::settled(ticket, result, completion))
     }
 
     /// Like [`Engine::run_with_transaction`], with the claim in the
@@ -896,14 +897,7 @@ impl Engine {
                 )?
             }
         };
-        Ok(match completion {
-            Completion::Recorded(stored) => RunOutcome::Executed {
-                ticket,
-                result,
-                stored,
-            },
-            Completion::LostOwnership => RunOutcome::LostOwnership { ticket },
-        })
+        Ok(RunOutcome::settled(ticket, result, completion))
     }
 
     /// The storage backend this engine was built on, if it is an `S`: how
