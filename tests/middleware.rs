@@ -223,16 +223,7 @@ impl World {
     /// [`ARRIVAL`] (the pipe is read by a thread, so a line written before
     /// an answer may be read after it).
     fn logged(&self, text: &str) -> bool {
-        let deadline = Instant::now() + ARRIVAL;
-        loop {
-            if self.server.stderr().contains(text) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.server.stderr_with(text, ARRIVAL).contains(text)
     }
 
     fn order(&self, key: &str, body: &str) -> Result<Resp> {

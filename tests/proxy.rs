@@ -2014,7 +2014,7 @@ fn a_stuck_key_past_its_retention_is_reported_and_released() -> Result<()> {
     };
     expect_fresh(&r, 201)?;
     expect_runs(&up, "k", 2)?;
-    let log = proxy.stderr();
+    let log = proxy.stderr_with("stuck_retention_ms", Duration::from_secs(5));
     ensure!(
         log.contains("stuck_retention_ms") && log.contains("key=k"),
         "the release is reported: {log}"

@@ -364,6 +364,20 @@ impl Proxy {
     pub fn stderr(&self) -> String {
         self.stderr.text()
     }
+
+    /// Stderr once it holds `text`, or as it is after `timeout`: a line the
+    /// server logged before it answered can still be on its way through
+    /// the pipe and the reader thread when the answer arrives.
+    pub fn stderr_with(&self, text: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = self.stderr();
+            if log.contains(text) || Instant::now() >= deadline {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 impl Drop for Proxy {
