@@ -445,6 +445,11 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
             },
         };
         check_record(&rec, key)?;
+        // The clock was read before the store answered: another writer may
+        // have written `rec` after that reading. Time is at least its last
+        // write, so nothing written from here (a lease, `updated-at`)
+        // starts before it.
+        let now = now.max(rec.updated_at);
         match assess(&rec, &print, now, policy)? {
             Assessment::Answer(decision) => return Ok(decision),
             Assessment::Busy(b) => {

@@ -1637,6 +1637,29 @@ fn effective_disposition_follows_the_failure_mode() {
 }
 
 #[test]
+fn a_record_written_after_the_clock_reading_is_taken_over_from_its_own_time() {
+    // Another writer released the key at a later instant than this begin's
+    // clock reading (the store answered after it): the take-over must not
+    // write an update or a lease that starts before that write.
+    let env = Fake::new();
+    let p = policy();
+    let (k, _) = settled_in(&env, Status::Released, &p);
+    // As if written 5 s after the clock reading that begin is about to make.
+    env.edit(&k, |r| {
+        r.created_at += 5_000;
+        r.updated_at += 5_000;
+        r.expires_at = r.expires_at.map(|at| at + 5_000);
+    });
+    let released = env.record(&k).expect("released");
+    assert!(released.updated_at > env.time());
+    let t = executed(decide(&env, &k, 1, &p));
+    let rec = env.record(&k).expect("taken over");
+    assert!(rec.updated_at >= released.updated_at, "{rec:?}");
+    assert!(rec.created_at <= rec.updated_at, "{rec:?}");
+    assert_eq!(t.lease_until, released.updated_at + LEASE);
+}
+
+#[test]
 fn max_attempts_makes_the_last_retryable_failure_final() {
     let env = Fake::new();
     let k = key("a");
