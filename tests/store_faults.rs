@@ -7,7 +7,7 @@ mod common;
 use anyhow::{Result, bail, ensure};
 use common::{Harness, key, request};
 use idem::store::memory::Op;
-use idem::{Completion, Decision, Error, FaultKind, Status, Success};
+use idem::{Completion, Decision, Disposition, Error, Failure, FaultKind, Status, Success};
 
 fn harness() -> Result<(Harness, idem::MemoryStore)> {
     let h = Harness::memory()?;
@@ -115,5 +115,58 @@ fn lost_connection_fails_every_call() -> Result<()> {
     ));
     m.reconnect();
     ensure!(matches!(h.engine.begin(&req)?, Decision::Execute(_)));
+    Ok(())
+}
+
+/// An engine remembers the records it claimed: the owner's write that
+/// follows swaps without reading the record back. The swap still decides:
+/// a record that another engine took over meanwhile is refused, nothing is
+/// written, and the late owner hears that it lost the key.
+#[test]
+fn an_owners_write_after_its_claim_does_not_read_and_the_swap_still_fences() -> Result<()> {
+    let (h, m) = harness()?;
+    let req = request("k1", "{}");
+    let Decision::Execute(t) = h.engine.begin(&req)? else {
+        bail!("execute");
+    };
+    let (gets, swaps) = (m.calls(Op::Get), m.calls(Op::CompareAndSwap));
+    let s = Success::with_ref("order-1");
+    ensure!(h.engine.complete(&t, &req.policy, &s)? == Completion::Recorded(Status::Succeeded));
+    ensure!(
+        m.calls(Op::Get) == gets,
+        "complete read the record it had claimed"
+    );
+    ensure!(m.calls(Op::CompareAndSwap) == swaps + 1);
+    ensure!(matches!(h.engine.begin(&req)?, Decision::Replay(_)));
+
+    // Another engine (other instances) takes the key over after the lease.
+    let req = request("k2", "{}");
+    let Decision::Execute(late) = h.engine.begin(&req)? else {
+        bail!("execute");
+    };
+    h.clock.advance(req.policy.lease_ms);
+    let other = h.engine_with_clock(h.clock.clone())?;
+    let Decision::Execute(owner) = other.begin(&req)? else {
+        bail!("the lease is over: taken over");
+    };
+    ensure!(owner.fencing_token == late.fencing_token + 1);
+    let taken = m.snapshot();
+    let gets = m.calls(Op::Get);
+    let too_late = Failure {
+        code: "late".into(),
+        message: "too late".into(),
+        response: None,
+    };
+    ensure!(
+        h.engine
+            .fail(&late, &req.policy, &too_late, Disposition::Final)?
+            == Completion::LostOwnership
+    );
+    ensure!(m.snapshot() == taken, "a fenced owner wrote");
+    ensure!(
+        m.calls(Op::Get) == gets,
+        "the refused swap answered the record"
+    );
+    ensure!(other.complete(&owner, &req.policy, &s)? == Completion::Recorded(Status::Succeeded));
     Ok(())
 }

@@ -12,6 +12,22 @@ use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcom
 use crate::bindings::idem::engine::types::{Failure, RecordKey, StoredRecord, Success, Timestamp};
 use crate::bindings::idem::engine::{clock, results, store};
 use crate::machine::{self, Env};
+#[cfg(target_arch = "wasm32")]
+use crate::owned::OwnedRecords;
+
+/// The records this instance wrote as an owner ([`OwnedRecords`]).
+#[cfg(target_arch = "wasm32")]
+struct InstanceRecords(OwnedRecords);
+
+// SAFETY: a component instance runs on one thread: `wasm32-wasip2` code is
+// built without the threads proposal, so nothing else can reach the cell,
+// and the component model forbids re-entering an instance during a call,
+// so no borrow is ever taken twice.
+#[cfg(target_arch = "wasm32")]
+unsafe impl Sync for InstanceRecords {}
+
+#[cfg(target_arch = "wasm32")]
+static OWNED: InstanceRecords = InstanceRecords(OwnedRecords::new());
 
 /// The engine's environment inside a component: every call is an import.
 /// Public for components built on this crate (the misbehaving test guest).
@@ -51,6 +67,10 @@ impl Env for Imports {
     }
     fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError> {
         results::find_result(key)
+    }
+    #[cfg(target_arch = "wasm32")]
+    fn owned_records(&self) -> Option<&OwnedRecords> {
+        Some(&OWNED.0)
     }
 }
 

@@ -21,6 +21,7 @@ pub mod canonical;
 pub mod fingerprint;
 pub mod machine;
 pub mod number;
+pub mod owned;
 pub mod validate;
 
 #[cfg(any(test, fuzzing))]

@@ -43,6 +43,7 @@ use crate::bindings::idem::engine::types::{
     Failure, RecordKey, Status, StoredRecord, Success, Timestamp,
 };
 use crate::fingerprint::{FINGERPRINT_VERSION, fingerprint, fingerprint_of_version};
+use crate::owned::OwnedRecords;
 use crate::validate;
 
 /// How many times one call re-reads and retries after another writer changed
@@ -82,6 +83,20 @@ pub trait Env {
     ) -> Result<Vec<StoredRecord>, StoreError>;
     /// `results.find-result`.
     fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError>;
+    /// The records this environment's engine wrote as an owner, which
+    /// spare an owner's write its read ([`OwnedRecords`]); `None` (the
+    /// default) when it keeps none, and every owner's write reads first.
+    fn owned_records(&self) -> Option<&OwnedRecords> {
+        None
+    }
+}
+
+/// Remembers `rec`, just written by its owner, where the environment keeps
+/// such records.
+fn remember(env: &impl Env, rec: &StoredRecord) {
+    if let Some(owned) = env.owned_records() {
+        owned.remember(rec);
+    }
 }
 
 /// Asks the host for the business result of `key` ([`Env::find_result`]).
@@ -439,6 +454,7 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
             {
                 InsertOutcome::Inserted(rec) => {
                     check_record(&rec, key)?;
+                    remember(env, &rec);
                     return Ok(Decision::Execute(ticket(&rec)));
                 }
                 InsertOutcome::Existing(rec) => rec,
@@ -470,7 +486,10 @@ pub fn begin(env: &impl Env, req: &BeginRequest) -> Result<Decision, EngineError
                 SwapOutcome::Swapped if reconcile_first => {
                     return settle_after_takeover(env, &rec, *next, policy);
                 }
-                SwapOutcome::Swapped => return Ok(Decision::Execute(ticket(&next))),
+                SwapOutcome::Swapped => {
+                    remember(env, &next);
+                    return Ok(Decision::Execute(ticket(&next)));
+                }
                 SwapOutcome::Stale(now_stored) => {
                     contention += 1;
                     if contention >= MAX_CONTENTION_ROUNDS {
@@ -497,7 +516,10 @@ fn settle_after_takeover(
     let found = find_result(env, &owned.key);
     let now = env.now();
     let next = match &found {
-        Ok(None) => return Ok(Decision::Execute(ticket(&owned))),
+        Ok(None) => {
+            remember(env, &owned);
+            return Ok(Decision::Execute(ticket(&owned)));
+        }
         Ok(Some(result)) => {
             let result = result.clone();
             let mut done = succeeded(&owned, now, policy, result.result_ref, result.response)?;
@@ -595,7 +617,8 @@ enum OwnerWrite {
     Lost,
 }
 
-/// Writes on behalf of the ticket's owner: reads the record, checks the
+/// Writes on behalf of the ticket's owner: reads the record (or takes the
+/// one this engine wrote for the ticket, [`OwnedRecords`]), checks the
 /// ticket, swaps in what `build` makes of it, and starts over if another
 /// writer got in between. `already` recognises an outcome stored by an
 /// earlier try of this same call.
@@ -605,7 +628,10 @@ fn write_as_owner(
     build: impl Fn(&StoredRecord, Timestamp) -> Result<StoredRecord, EngineError>,
     already: impl Fn(&StoredRecord) -> bool,
 ) -> Result<OwnerWrite, EngineError> {
-    let mut current = env.get(&t.key).map_err(store)?;
+    let mut current = match env.owned_records().and_then(|owned| owned.take(t)) {
+        Some(rec) => Some(rec),
+        None => env.get(&t.key).map_err(store)?,
+    };
     for _ in 0..MAX_CONTENTION_ROUNDS {
         let rec = match ownership(t, current.take(), &already)? {
             Ownership::Owner(rec) => rec,
@@ -614,7 +640,10 @@ fn write_as_owner(
         };
         let next = build(&rec, env.now())?;
         match env.compare_and_swap(rec.revision, &next).map_err(store)? {
-            SwapOutcome::Swapped => return Ok(OwnerWrite::Written(Box::new(next))),
+            SwapOutcome::Swapped => {
+                remember(env, &next);
+                return Ok(OwnerWrite::Written(Box::new(next)));
+            }
             SwapOutcome::Stale(now_stored) => current = now_stored,
         }
     }

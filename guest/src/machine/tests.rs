@@ -83,6 +83,10 @@ struct Fake {
     /// Runs after `get` has read its answer.
     on_get: RefCell<Option<Hook>>,
     before_cas: RefCell<Option<CasHook>>,
+    /// The engine instances' remembered claims ([`Fake::instances`]).
+    instances: Vec<OwnedRecords>,
+    /// Which of `instances` the calls run on; none keeps no claims.
+    instance: Cell<Option<usize>>,
 }
 
 const T0: u64 = 1_700_000_000_000;
@@ -106,7 +110,24 @@ impl Fake {
             on_find: RefCell::new(None),
             on_get: RefCell::new(None),
             before_cas: RefCell::new(None),
+            instances: Vec::new(),
+            instance: Cell::new(None),
         }
+    }
+
+    /// A fake whose calls run on one of `n` engine instances, each keeping
+    /// the claims it wrote ([`OwnedRecords`]); the first one to start with.
+    fn instances(n: usize) -> Self {
+        let mut fake = Fake::new();
+        fake.instances = (0..n).map(|_| OwnedRecords::new()).collect();
+        fake.instance.set(Some(0));
+        fake
+    }
+
+    /// Runs the next calls on instance `i`.
+    fn on_instance(&self, i: usize) {
+        assert!(i < self.instances.len(), "no instance {i}");
+        self.instance.set(Some(i));
     }
 
     fn time(&self) -> u64 {
@@ -209,6 +230,10 @@ impl Fake {
 impl Env for Fake {
     fn now(&self) -> Timestamp {
         self.clock.get()
+    }
+
+    fn owned_records(&self) -> Option<&OwnedRecords> {
+        self.instance.get().and_then(|i| self.instances.get(i))
     }
 
     fn pause(&self, duration_ms: u64) {
@@ -3061,6 +3086,10 @@ fn policy_strategy() -> impl Strategy<Value = Policy> {
 /// every outcome recorded per ownership generation.
 struct World {
     env: Fake,
+    /// How many engine instances the owners' calls run on (owner `o` on
+    /// instance `o % instances`), each remembering its claims; 0 for
+    /// none.
+    instances: usize,
     policy: Policy,
     tickets: [[Option<Ticket>; KEYS]; OWNERS],
     /// `(key, record id, fencing token)` -> the one outcome recorded for it.
@@ -3070,9 +3099,10 @@ struct World {
 }
 
 impl World {
-    fn new(policy: Policy) -> Self {
+    fn new(policy: Policy, instances: usize) -> Self {
         World {
-            env: Fake::new(),
+            env: Fake::instances(instances),
+            instances,
             policy,
             tickets: Default::default(),
             outcomes: BTreeMap::new(),
@@ -3113,6 +3143,19 @@ impl World {
 
     fn apply(&mut self, step: &Step) {
         let before = self.env.snapshot();
+        let owner = match *step {
+            Step::Begin { owner, .. }
+            | Step::Complete { owner, .. }
+            | Step::Fail { owner, .. }
+            | Step::Extend { owner, .. } => Some(owner),
+            _ => None,
+        };
+        // An owner's calls run on its instance; the others (reconcile,
+        // sweep) on instance 0, as a host's pool would.
+        if self.instances > 0 {
+            self.env
+                .on_instance(owner.map_or(0, |o| o % self.instances));
+        }
         match *step {
             Step::Begin {
                 owner,
@@ -3348,9 +3391,10 @@ proptest! {
     #[test]
     fn prop_random_interleavings_keep_the_invariants(
         policy in policy_strategy(),
+        instances in 0usize..=2,
         steps in proptest::collection::vec(step_strategy(), 1..80),
     ) {
-        let mut world = World::new(policy);
+        let mut world = World::new(policy, instances);
         for step in &steps {
             world.apply(step);
         }
@@ -3458,4 +3502,171 @@ fn settle_decides_a_stuck_key_and_fences_off_its_owner() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// An instance's remembered claims (`OwnedRecords`)
+// ---------------------------------------------------------------------------
+
+#[test]
+fn an_owner_write_after_its_own_claim_swaps_without_reading() {
+    let p = policy();
+    let env = Fake::instances(1);
+    let k = key("a");
+    let t = start(&env, &k, &p);
+    assert_eq!(env.calls(), vec![Op::Get, Op::Insert]);
+    env.clear_calls();
+    env.advance(10);
+    assert_eq!(
+        complete(&env, &t, &p, &success("order-1")),
+        Ok(Completion::Recorded(Status::Succeeded))
+    );
+    assert_eq!(env.calls(), vec![Op::Cas], "no read before the swap");
+    let rec = env.record(&k).expect("stored");
+    assert_eq!(rec.status, Status::Succeeded);
+    assert_eq!(rec.updated_at, T0 + 10);
+    // A settled record is not kept: the retried call reads, and is
+    // recognised.
+    assert!(env.instances[0].is_empty());
+    env.clear_calls();
+    assert_eq!(
+        complete(&env, &t, &p, &success("order-1")),
+        Ok(Completion::Recorded(Status::Succeeded))
+    );
+    assert_eq!(env.calls(), vec![Op::Get]);
+    // The same for `fail`, after a take-over claim.
+    let k = key("b");
+    let t = start(&env, &k, &p);
+    env.advance(LEASE);
+    let next = executed(decide(&env, &k, 1, &p));
+    assert_eq!(next.fencing_token, t.fencing_token + 1);
+    env.clear_calls();
+    assert_eq!(
+        fail(&env, &next, &p, &failure("declined"), Disposition::Final),
+        Ok(Completion::Recorded(Status::Failed))
+    );
+    assert_eq!(env.calls(), vec![Op::Cas]);
+}
+
+#[test]
+fn a_remembered_claim_that_changed_since_is_refused_by_the_swap_and_read_again() {
+    let p = policy();
+    // Another instance took the key over after the lease: the first
+    // owner's late write is fenced, whatever its instance remembers.
+    let env = Fake::instances(2);
+    let k = key("a");
+    let t = start(&env, &k, &p);
+    env.advance(LEASE);
+    env.on_instance(1);
+    let next = executed(decide(&env, &k, 1, &p));
+    let taken = env.record(&k);
+    env.on_instance(0);
+    env.clear_calls();
+    assert_eq!(
+        complete(&env, &t, &p, &success("late")),
+        Ok(Completion::LostOwnership)
+    );
+    assert_eq!(
+        env.calls(),
+        vec![Op::Cas],
+        "the refused swap answers the record"
+    );
+    assert_eq!(env.record(&k), taken, "a fenced owner wrote");
+    env.on_instance(1);
+    assert_eq!(
+        complete(&env, &next, &p, &success("order-1")),
+        Ok(Completion::Recorded(Status::Succeeded))
+    );
+
+    // The owner extended its lease through another instance: the record
+    // moved on under the same ticket. The swap is refused once, and the
+    // write goes on from the record as it is, keeping the longer lease
+    // until it settles.
+    let k = key("b");
+    env.on_instance(0);
+    let t = start(&env, &k, &p);
+    env.on_instance(1);
+    env.advance(100);
+    assert_eq!(
+        extend(&env, &t, &p),
+        Ok(Extension::Extended(T0 + LEASE + 100 + LEASE))
+    );
+    env.on_instance(0);
+    env.clear_calls();
+    assert_eq!(
+        fail(&env, &t, &p, &failure("busy"), Disposition::OutcomeUnknown),
+        Ok(Completion::Recorded(Status::OutcomeUnknown))
+    );
+    assert_eq!(env.calls(), vec![Op::Cas, Op::Cas]);
+    let rec = env.record(&k).expect("stored");
+    assert_eq!(rec.lease_until, Some(T0 + LEASE + 100 + LEASE));
+    assert_eq!(rec.revision, 3);
+
+    // The record was swept and claimed again: the same revision, another
+    // id. The old ticket cannot write the new record.
+    let k = key("c");
+    let t = start(&env, &k, &p);
+    env.remove(&k);
+    env.on_instance(1);
+    let again = executed(decide(&env, &k, 2, &p));
+    assert_eq!(
+        env.record(&k).map(|r| r.revision),
+        Some(1),
+        "a new record starts over"
+    );
+    assert_ne!(again.record_id, t.record_id);
+    let fresh = env.record(&k);
+    env.on_instance(0);
+    assert_eq!(
+        complete(&env, &t, &p, &success("late")),
+        Ok(Completion::LostOwnership)
+    );
+    assert_eq!(env.record(&k), fresh);
+}
+
+#[test]
+fn an_instance_remembers_a_bounded_number_of_claims_and_the_oldest_read_again() {
+    use crate::owned::REMEMBERED_CLAIMS;
+    let p = policy();
+    let env = Fake::instances(1);
+    let tickets: Vec<Ticket> = (0..=REMEMBERED_CLAIMS)
+        .map(|i| start(&env, &key(&format!("k-{i}")), &p))
+        .collect();
+    assert_eq!(env.instances[0].len(), REMEMBERED_CLAIMS);
+    env.clear_calls();
+    // The first claim was pushed out: its owner reads.
+    assert_eq!(
+        complete(&env, &tickets[0], &p, &success("r-0")),
+        Ok(Completion::Recorded(Status::Succeeded))
+    );
+    assert_eq!(env.calls(), vec![Op::Get, Op::Cas]);
+    env.clear_calls();
+    for (i, t) in tickets.iter().enumerate().skip(1) {
+        assert_eq!(
+            complete(&env, t, &p, &success(&format!("r-{i}"))),
+            Ok(Completion::Recorded(Status::Succeeded))
+        );
+    }
+    assert_eq!(env.calls(), vec![Op::Cas; REMEMBERED_CLAIMS]);
+    assert!(env.instances[0].is_empty());
+}
+
+#[test]
+fn a_store_failure_on_a_remembered_claim_leaves_the_next_try_to_read() {
+    let p = policy();
+    let env = Fake::instances(1);
+    let k = key("a");
+    let t = start(&env, &k, &p);
+    env.fail_next(Some(Op::Cas), StoreError::Unavailable("gone".into()));
+    assert!(matches!(
+        complete(&env, &t, &p, &success("order-1")),
+        Err(EngineError::Store(StoreError::Unavailable(_)))
+    ));
+    // Whether the swap took effect is unknown: the retry reads.
+    env.clear_calls();
+    assert_eq!(
+        complete(&env, &t, &p, &success("order-1")),
+        Ok(Completion::Recorded(Status::Succeeded))
+    );
+    assert_eq!(env.calls(), vec![Op::Get, Op::Cas]);
 }

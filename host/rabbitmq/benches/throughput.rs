@@ -4,8 +4,12 @@
 //! and the p99 of the time from a delivery's arrival to its settlement.
 //!
 //! ```text
-//! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [--consumers N] [--only MODE,...] [--smoke]
+//! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [--consumers N] [--prefetch N] [--batch N] [--only MODE,...] [--smoke]
 //! ```
+//!
+//! `--prefetch N` sets every mode's prefetch, the bare consumers' included
+//! (default [`DEFAULT_PREFETCH`]); `--batch N` the batched mode's largest
+//! batch (default: the prefetch).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,6 +43,14 @@ async fn main() -> Result<()> {
     let consumers = match args.iter().position(|a| a == "--consumers") {
         Some(i) => args.get(i + 1).context("--consumers N")?.parse()?,
         None => DEFAULT_CONSUMERS,
+    };
+    let prefetch: u16 = match args.iter().position(|a| a == "--prefetch") {
+        Some(i) => args.get(i + 1).context("--prefetch N")?.parse()?,
+        None => DEFAULT_PREFETCH,
+    };
+    let max_batch: usize = match args.iter().position(|a| a == "--batch") {
+        Some(i) => args.get(i + 1).context("--batch N")?.parse()?,
+        None => usize::from(prefetch),
     };
     let messages = if args.iter().any(|a| a == "--smoke") {
         SMOKE_MESSAGES
@@ -84,14 +96,21 @@ async fn main() -> Result<()> {
             .collect::<Result<_>>()?,
     };
     println!(
-        "rabbitmq, {consumers} consumers, {messages} messages per mode, idem on SQLite; \
-         CPU per message from /proc (this process / beam.smp)"
+        "rabbitmq, {consumers} consumers, prefetch {prefetch}, batches of at most {max_batch}, \
+         {messages} messages per mode, \
+         idem on SQLite; CPU per message from /proc (this process / beam.smp)"
     );
-    let bare = run(&conn, &producer, messages, consumers, Mode::Bare).await?;
+    let shape = Shape {
+        messages,
+        consumers,
+        prefetch,
+        max_batch,
+    };
+    let bare = run(&conn, &producer, shape, Mode::Bare).await?;
     bare.print(Mode::Bare, &bare);
     let mut measured = Vec::new();
     for mode in modes {
-        let figures = run(&conn, &producer, messages, consumers, mode).await?;
+        let figures = run(&conn, &producer, shape, mode).await?;
         figures.print(mode, &bare);
         measured.push((mode, figures));
     }
@@ -161,6 +180,17 @@ impl Mode {
     }
 }
 
+/// How many messages a run publishes, and how they are consumed.
+#[derive(Clone, Copy)]
+struct Shape {
+    messages: usize,
+    consumers: usize,
+    /// Unacked deliveries per consumer, in every mode.
+    prefetch: u16,
+    /// The batched mode's largest batch.
+    max_batch: usize,
+}
+
 /// One run's figures.
 struct Figures {
     /// Messages per second.
@@ -189,15 +219,15 @@ impl Figures {
     }
 }
 
-/// Publishes `messages` to a fresh queue, then consumes them with
-/// `consumers` consumers; returns its [`Figures`].
-async fn run(
-    conn: &Connection,
-    producer: &Channel,
-    messages: usize,
-    consumers: usize,
-    mode: Mode,
-) -> Result<Figures> {
+/// Publishes the shape's messages to a fresh queue, then consumes them
+/// with its consumers; returns its [`Figures`].
+async fn run(conn: &Connection, producer: &Channel, shape: Shape, mode: Mode) -> Result<Figures> {
+    let Shape {
+        messages,
+        consumers,
+        prefetch,
+        max_batch,
+    } = shape;
     let name = mode.name();
     let queue = format!("idem-bench-{name}-{}", std::process::id());
     let topology = Topology::declare(producer, &queue).await?;
@@ -243,6 +273,7 @@ async fn run(
                 on_settled: Some(Arc::new(move |_, took| {
                     lat.lock().expect("latencies").push(took);
                 })),
+                prefetch,
                 ..Options::default()
             };
             let rabbit = RabbitConsumer::new(channel, topology.clone(), consumer, options).await?;
@@ -268,7 +299,7 @@ async fn run(
                     Mode::Batch => {
                         rabbit
                             .run_batch_blocking(
-                                usize::from(DEFAULT_PREFETCH),
+                                max_batch,
                                 move |ms: Vec<Incoming>,
                                       engine: &Engine,
                                       requests: &[BeginRequest]| {
@@ -304,7 +335,7 @@ async fn run(
             let done = Arc::new(Stats::default());
             stats.push(done.clone());
             tasks.push(tokio::spawn(bare_consumer(
-                channel, queue, lat, done, shutdown,
+                channel, queue, prefetch, lat, done, shutdown,
             )));
         }
     }
@@ -338,12 +369,13 @@ async fn run(
 async fn bare_consumer(
     channel: Channel,
     queue: String,
+    prefetch: u16,
     latencies: Latencies,
     done: Arc<Stats>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     channel
-        .basic_qos(DEFAULT_PREFETCH, BasicQosOptions::default())
+        .basic_qos(prefetch, BasicQosOptions::default())
         .await?;
     let mut deliveries = channel
         .basic_consume(
