@@ -2,6 +2,10 @@
 //! same consumers acking without idem: same run, same broker, same
 //! prefetch, 4 consumers on one queue (or `--consumers N`). Prints both rates, the ratio
 //! and the p99 of the time from a delivery's arrival to its settlement.
+//! The batched row has a second baseline, `bare-batch`, which acks the
+//! deliveries that have arrived with one multiple ack, as that row does.
+//! The consumers are set up (channels, engines, the component compiled)
+//! before each row's clock starts.
 //!
 //! ```text
 //! cargo bench -p idem-rabbitmq --bench throughput [-- --messages N] [--consumers N] [--prefetch N] [--batch N] [--only MODE,...] [--smoke]
@@ -108,6 +112,16 @@ async fn main() -> Result<()> {
     };
     let bare = run(&conn, &producer, shape, Mode::Bare).await?;
     bare.print(Mode::Bare, &bare);
+    // The batched row's own baseline: acking in batches costs the broker
+    // client less per message than acking one by one.
+    let bare_batch = match modes.contains(&Mode::Batch) {
+        true => {
+            let figures = run(&conn, &producer, shape, Mode::BareBatch).await?;
+            figures.print(Mode::BareBatch, &bare);
+            Some(figures)
+        }
+        false => None,
+    };
     let mut measured = Vec::new();
     for mode in modes {
         let figures = run(&conn, &producer, shape, mode).await?;
@@ -126,6 +140,9 @@ async fn main() -> Result<()> {
     if let (Some(one), Some(batch)) = (rate(Mode::OneTransaction), rate(Mode::Batch)) {
         println!("  batch / one-tx: {:.2}", batch / one);
     }
+    if let (Some(bare), Some(batch)) = (&bare_batch, rate(Mode::Batch)) {
+        println!("  batch / bare-batch: {:.2}", batch / bare.rate);
+    }
     Ok(())
 }
 
@@ -134,6 +151,9 @@ async fn main() -> Result<()> {
 enum Mode {
     /// Ack it, without idem.
     Bare,
+    /// Ack the deliveries that have arrived (up to the batch size) with
+    /// one multiple ack, without idem: the batched row's baseline.
+    BareBatch,
     /// `RabbitConsumer::run` with a handler that does nothing.
     Idem,
     /// `run_blocking` with `run_in_transaction`: the claim commits, then an
@@ -161,6 +181,7 @@ impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::Bare => "bare",
+            Mode::BareBatch => "bare-batch",
             Mode::Idem => "idem",
             Mode::ClaimFirst => "claim-first",
             Mode::OneTransaction => "one-tx",
@@ -172,6 +193,7 @@ impl Mode {
     fn what(self) -> &'static str {
         match self {
             Mode::Bare => "ack only, no idem",
+            Mode::BareBatch => "ack only, one multiple ack per batch, no idem",
             Mode::Idem => "run, a no-op handler",
             Mode::ClaimFirst => "a business row, run_in_transaction",
             Mode::OneTransaction => "a business row, run_in_one_transaction",
@@ -254,19 +276,24 @@ async fn run(conn: &Connection, producer: &Channel, shape: Shape, mode: Mode) ->
     let latencies: Latencies = Arc::default();
     let broker = find_process("beam");
     let broker_cpu = || broker.as_deref().map_or(Ok(0.0), cpu_time_us);
-    let (cpu0, broker0) = (cpu_time_us("self")?, broker_cpu()?);
-    let start = Instant::now();
     let mut tasks = Vec::new();
     let mut stats = Vec::new();
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    // The consumers are set up (channels, engines, the component compiled)
+    // before the clock starts; they start consuming together at `go`.
+    let (go, gate) = tokio::sync::watch::channel(false);
+    let started = |mut gate: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = gate.wait_for(|go| *go).await;
+    };
     for _ in 0..consumers {
+        let started = started(gate.clone());
         let channel = conn.create_channel().await?;
         let lat = latencies.clone();
         let mut stopped = stopped.clone();
         let shutdown = async move {
             let _ = stopped.wait_for(|s| *s).await;
         };
-        if mode != Mode::Bare {
+        if !matches!(mode, Mode::Bare | Mode::BareBatch) {
             let engine = Engine::builder().storage(store.clone()).build()?;
             let consumer = Consumer::new(engine, ConsumerConfig::new("bench"));
             let options = Options {
@@ -279,6 +306,7 @@ async fn run(conn: &Connection, producer: &Channel, shape: Shape, mode: Mode) ->
             let rabbit = RabbitConsumer::new(channel, topology.clone(), consumer, options).await?;
             stats.push(rabbit.stats());
             tasks.push(tokio::spawn(async move {
+                started.await;
                 let write = |id: &str, conn: &rusqlite::Connection| match conn
                     .execute("INSERT INTO orders VALUES (?1)", [id])
                 {
@@ -286,7 +314,7 @@ async fn run(conn: &Connection, producer: &Channel, shape: Shape, mode: Mode) ->
                     Err(e) => ActionResult::retryable("db", e),
                 };
                 let done = match mode {
-                    Mode::Bare | Mode::Idem => {
+                    Mode::Bare | Mode::BareBatch | Mode::Idem => {
                         rabbit
                             .run(
                                 |_m: Incoming| async {
@@ -334,11 +362,19 @@ async fn run(conn: &Connection, producer: &Channel, shape: Shape, mode: Mode) ->
             let queue = queue.clone();
             let done = Arc::new(Stats::default());
             stats.push(done.clone());
-            tasks.push(tokio::spawn(bare_consumer(
-                channel, queue, prefetch, lat, done, shutdown,
-            )));
+            let batch = match mode {
+                Mode::BareBatch => max_batch,
+                _ => 1,
+            };
+            tasks.push(tokio::spawn(async move {
+                started.await;
+                bare_consumer(channel, queue, prefetch, batch, lat, done, shutdown).await
+            }));
         }
     }
+    let (cpu0, broker0) = (cpu_time_us("self")?, broker_cpu()?);
+    let start = Instant::now();
+    go.send(true)?;
     let deadline = Instant::now() + Duration::from_secs(600);
     while stats.iter().map(|s| Stats::get(&s.executed)).sum::<u64>() < messages as u64 {
         if Instant::now() > deadline {
@@ -365,11 +401,13 @@ async fn run(conn: &Connection, producer: &Channel, shape: Shape, mode: Mode) ->
     })
 }
 
-/// The same work without idem: ack each delivery.
+/// The same work without idem: ack each delivery, or (`batch` > 1) the
+/// deliveries that have arrived, up to `batch`, with one multiple ack.
 async fn bare_consumer(
     channel: Channel,
     queue: String,
     prefetch: u16,
+    batch: usize,
     latencies: Latencies,
     done: Arc<Stats>,
     shutdown: impl std::future::Future<Output = ()>,
@@ -386,8 +424,9 @@ async fn bare_consumer(
         )
         .await?;
     let mut shutdown = std::pin::pin!(shutdown);
+    let mut arrived = Vec::with_capacity(batch);
     loop {
-        let delivery = tokio::select! {
+        let mut last = tokio::select! {
             () = &mut shutdown => return Ok(()),
             next = deliveries.next() => match next {
                 Some(d) => d?,
@@ -395,10 +434,24 @@ async fn bare_consumer(
             },
         };
         // As the adapter measures it: from the delivery's arrival to its ack.
-        let arrived = Instant::now();
-        delivery.ack(BasicAckOptions::default()).await?;
-        latencies.lock().expect("latencies").push(arrived.elapsed());
+        arrived.push(Instant::now());
+        while arrived.len() < batch {
+            match futures_lite::future::poll_once(deliveries.next()).await {
+                Some(Some(delivery)) => {
+                    last = delivery?;
+                    arrived.push(Instant::now());
+                }
+                Some(None) | None => break,
+            }
+        }
+        last.ack(BasicAckOptions {
+            multiple: arrived.len() > 1,
+        })
+        .await?;
+        let mut latencies = latencies.lock().expect("latencies");
+        latencies.extend(arrived.iter().map(Instant::elapsed));
         done.executed
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(arrived.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        arrived.clear();
     }
 }
