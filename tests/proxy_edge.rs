@@ -750,3 +750,94 @@ fn problem_bodies_never_echo_stored_or_other_scopes_data() -> Result<()> {
     ensure!(w.up.total() == 3, "executions: {}", w.up.total());
     Ok(())
 }
+
+/// A POST to `/orders` split where a client that writes its head and its
+/// body apart splits it: `(head, body)`. `extra` as in [`post`].
+fn post_split(extra: &[u8]) -> (Vec<u8>, Vec<u8>) {
+    let body = b"{\"sku\":\"A1\"}";
+    let whole = post(extra, body);
+    let (head, body) = whole.split_at(whole.len() - body.len());
+    (head.to_vec(), body.to_vec())
+}
+
+/// A refusal answered before the request's body arrived (no key, a bad
+/// key, two keys, no scope) leaves the connection usable for the next
+/// request: the body is discarded after the answer. A client waiting for
+/// `100 Continue` gets `Connection: close` instead, and the connection
+/// closes. Never an answer that promises keep-alive on a connection then
+/// closed: a client pools that connection, and its next request fails
+/// with nothing sent back (the flake "PATCH: Peer disconnected" in
+/// `tests/proxy.rs`).
+#[test]
+fn a_refusal_before_the_body_keeps_its_word_about_the_connection() -> Result<()> {
+    let w = World::edge()?;
+    let cases: [(&str, &[u8], u16, &str); 5] = [
+        ("no key", b"", 400, "key-missing"),
+        (
+            "no key, waiting for 100 Continue",
+            b"Expect: 100-continue\r\n",
+            400,
+            "key-missing",
+        ),
+        (
+            "an invalid key",
+            b"Idempotency-Key: \"unterminated\r\n",
+            400,
+            "key-invalid",
+        ),
+        (
+            "two keys",
+            b"Idempotency-Key: \"a\"\r\nIdempotency-Key: \"b\"\r\n",
+            400,
+            "key-invalid",
+        ),
+        ("no scope", b"", 401, "client-unidentified"),
+    ];
+    for (what, extra, status, kind) in cases {
+        let (mut head, body) = post_split(extra);
+        if what == "no scope" {
+            let tenant = head
+                .windows(TENANT.len())
+                .position(|w| w == TENANT)
+                .context("tenant line")?;
+            head.drain(tenant..tenant + TENANT.len());
+            // Keyed, so that the scope is asked for.
+            let at = head.len() - 2;
+            head.splice(at..at, b"Idempotency-Key: \"k\"\r\n".iter().copied());
+        }
+        let mut s = w.connect()?;
+        send(&mut s, &head)?;
+        let first = read_answer(&mut s)
+            .context(what)?
+            .with_context(|| format!("{what}: no answer before the body"))?;
+        ensure!(
+            first.status == status,
+            "{what}: {first:?} ({})",
+            first.text()
+        );
+        let ty = first.problem_type().unwrap_or_default();
+        ensure!(ty == serve::problem_type(kind), "{what}: problem type {ty}");
+        // The body the head announced, then a whole second request.
+        send(&mut s, &body)?;
+        send(&mut s, &post(b"", b"{\"sku\":\"A2\"}"))?;
+        let closes = first
+            .head
+            .to_ascii_lowercase()
+            .contains("connection: close");
+        ensure!(
+            closes == what.contains("100 Continue"),
+            "{what}: connection: close said {closes}: {}",
+            first.head
+        );
+        match read_answer(&mut s) {
+            Ok(Some(second)) => ensure!(
+                !closes,
+                "{what}: answered on a connection said to close: {second:?}"
+            ),
+            Ok(None) | Err(_) if closes => {}
+            Ok(None) => bail!("{what}: kept alive, then closed before the next answer"),
+            Err(e) => bail!("{what}: kept alive, then the next request failed: {e:#}"),
+        }
+    }
+    w.expect_nothing_written("refusals before the body")
+}

@@ -21,8 +21,9 @@ pub(super) const DRAIN_MAX_BYTES: u64 = 8 * 1024 * 1024;
 const DRAIN_MAX_TIME: Duration = Duration::from_secs(5);
 
 /// Reads and discards the rest of a body, within [`DRAIN_MAX_BYTES`] and
-/// [`DRAIN_MAX_TIME`], so that a client that sends its whole body before
-/// reading gets the answer.
+/// [`DRAIN_MAX_TIME`], so that a client still sending it gets the answer
+/// and its connection can carry its next request. Past either bound the
+/// body is dropped, and hyper closes the connection after the answer.
 pub(super) async fn drain(mut body: Body) {
     let discard = async {
         let mut seen = 0u64;

@@ -91,6 +91,69 @@ fn detached(answer: Result<Response<Body>, Panicked>) -> Response<Body> {
     })
 }
 
+/// The request's key: `None` when it has none and its route lets it pass
+/// without one; the problem when it is missing, invalid or repeated.
+fn key_of(request: &Request<Body>, route: &Route) -> Result<Option<String>, idem_http::Problem> {
+    let mut keys = request.headers().get_all(IDEMPOTENCY_KEY).iter();
+    match (keys.next(), keys.next()) {
+        (None, _) => match route.key_requirement(request.method()) {
+            KeyRequirement::Optional => Ok(None),
+            KeyRequirement::Required => {
+                Err(idem_http::Problem::key_missing(request.method().as_str()))
+            }
+        },
+        (Some(value), None) => parse_idempotency_key(value)
+            .map(Some)
+            .map_err(|e| idem_http::Problem::key_invalid(&e)),
+        (Some(_), Some(_)) => Err(idem_http::Problem::several_keys()),
+    }
+}
+
+/// The request's `Content-Length`, when it has a valid one.
+fn declared_length(parts: &request::Parts) -> Option<u64> {
+    parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+}
+
+/// `response`, to a request whose body was not read to its end.
+///
+/// The answer goes at once, and the body is read and discarded after it
+/// on a task of its own ([`drain`], which nginx calls discarding the
+/// request body), so that the connection carries the client's next
+/// request. When it will not be read (the client waits for
+/// `100 Continue`, or declares more than [`DRAIN_MAX_BYTES`]) the answer
+/// says `Connection: close`. Without one or the other, hyper would answer
+/// with keep-alive and then close the connection on finding the body
+/// unread: a client that pooled the connection would lose its next
+/// request, with nothing sent back.
+fn unread(parts: &request::Parts, body: Body, response: Response<Body>) -> Response<Body> {
+    if http_body::Body::is_end_stream(&body) {
+        return response;
+    }
+    let waits_for_continue = parts
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if waits_for_continue || declared_length(parts).is_some_and(|n| n > DRAIN_MAX_BYTES) {
+        return closing(response);
+    }
+    tokio::spawn(drain(body));
+    response
+}
+
+/// `response`, saying that the connection closes after it: the request's
+/// body was not read to its end, so the connection cannot carry another
+/// request.
+fn closing(mut response: Response<Body>) -> Response<Body> {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
 /// Calls the inner service once it is ready.
 async fn call<S, ResB>(inner: S, request: Request<Body>) -> Result<Response<ResB>, InnerFailure>
 where
@@ -160,6 +223,12 @@ impl Shared {
         problem.into_response()
     }
 
+    /// A refusal made before the request's body was read: see [`unread`].
+    fn refuse_unread(&self, request: Request<Body>, problem: impl Into<Problem>) -> Response<Body> {
+        let (parts, body) = request.into_parts();
+        unread(&parts, body, self.refuse(problem))
+    }
+
     /// The answer to a request whose scope could not be derived.
     fn scope_problem(&self, e: &ScopeError) -> idem_http::Problem {
         if let ScopeError::NoClientAddress = e {
@@ -219,32 +288,27 @@ impl Shared {
         ResB: http_body::Body<Data = Bytes> + Send + 'static,
         ResB::Error: Into<BoxError>,
     {
-        let mut keys = request.headers().get_all(IDEMPOTENCY_KEY).iter();
-        let key = match (keys.next(), keys.next()) {
-            (None, _) => match route.key_requirement(request.method()) {
-                KeyRequirement::Optional => return self.passthrough(inner, request).await,
-                KeyRequirement::Required => {
-                    return self.refuse(idem_http::Problem::key_missing(request.method().as_str()));
-                }
-            },
-            (Some(value), None) => match parse_idempotency_key(value) {
-                Ok(key) => key,
-                Err(e) => return self.refuse(idem_http::Problem::key_invalid(&e)),
-            },
-            (Some(_), Some(_)) => return self.refuse(idem_http::Problem::several_keys()),
+        let key = match key_of(&request, &route) {
+            Ok(Some(key)) => key,
+            Ok(None) => return self.passthrough(inner, request).await,
+            Err(problem) => return self.refuse_unread(request, problem),
         };
         let client = request
             .extensions()
             .get::<ConnectInfo<SocketAddr>>()
             .map(|ConnectInfo(peer)| peer.ip());
-        let scope = match derive_scope(
+        let scope = derive_scope(
             request.headers(),
             self.routes.scope_header(),
             route.anonymous,
             client,
-        ) {
+        );
+        let scope = match scope {
             Ok(scope) => scope,
-            Err(e) => return self.refuse(self.scope_problem(&e)),
+            Err(e) => {
+                let problem = self.scope_problem(&e);
+                return self.refuse_unread(request, problem);
+            }
         };
         tracing::Span::current().record("scope", scope.as_str());
         tracing::debug!(idempotency_key = %key, "key read");
@@ -313,16 +377,11 @@ impl Shared {
         let limit = self.config.max_body_bytes;
         let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
         let too_large = || idem_http::Problem::body_too_large(u64::from(limit));
-        let declared = parts
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok());
         let drain_cap = u64::from(limit).saturating_add(DRAIN_MAX_BYTES);
-        if declared.is_some_and(|len| len > drain_cap) {
-            // Too large even to read and discard: answer at once (the
-            // connection is closed after the answer).
-            return Err(Box::new(self.refuse(too_large())));
+        if declared_length(parts).is_some_and(|len| len > drain_cap) {
+            // Too large even to read and discard: answer at once, and
+            // close the connection after the answer.
+            return Err(Box::new(closing(self.refuse(too_large()))));
         }
         let body_timeout = Duration::from_millis(self.config.body_read_timeout_ms);
         let read =
@@ -330,23 +389,20 @@ impl Shared {
         let Ok(read) = read.await else {
             // A body that stops before its Content-Length (or trickles):
             // nothing was asked of the engine, nothing is stored.
-            let mut response = self.refuse(idem_http::Problem::body_timeout(
+            let response = self.refuse(idem_http::Problem::body_timeout(
                 u64::try_from(body_timeout.as_millis()).unwrap_or(u64::MAX),
             ));
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return Err(Box::new(response));
+            return Err(Box::new(closing(response)));
         };
         match read {
             Ok(collected) => Ok(collected.to_bytes()),
             Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-                drain(body).await;
-                Err(Box::new(self.refuse(too_large())))
+                Err(Box::new(unread(parts, body, self.refuse(too_large()))))
             }
             Err(e) => {
                 tracing::debug!(error = %e, "the request body could not be read");
-                Err(Box::new(self.refuse(idem_http::Problem::body_unreadable())))
+                let response = self.refuse(idem_http::Problem::body_unreadable());
+                Err(Box::new(closing(response)))
             }
         }
     }
