@@ -307,8 +307,10 @@ async fn run(conn: &Connection, producer: &Channel, shape: Shape, mode: Mode) ->
             stats.push(rabbit.stats());
             tasks.push(tokio::spawn(async move {
                 started.await;
+                // Prepared once per connection, as a service would.
                 let write = |id: &str, conn: &rusqlite::Connection| match conn
-                    .execute("INSERT INTO orders VALUES (?1)", [id])
+                    .prepare_cached("INSERT INTO orders VALUES (?1)")
+                    .and_then(|mut insert| insert.execute([id]))
                 {
                     Ok(_) => ActionResult::Succeeded(Success::with_ref(id)),
                     Err(e) => ActionResult::retryable("db", e),

@@ -364,7 +364,7 @@ fn sqlite_fresh_file_migrations_race_safely() {
         let version: i64 = raw(&stores[0])
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(version, 2);
+        assert_eq!(version, 3);
         let r = insert(&stores[1], &candidate(key("k")));
         assert_eq!(stores[3].get(&key("k")).unwrap(), Some(r));
         assert!(stores[2].integrity_check().unwrap());
@@ -424,7 +424,7 @@ fn sqlite_rows_written_by_schema_version_1_are_read_after_the_upgrade() {
     let version: i64 = raw(&store)
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
     assert_eq!(store.get(&key("k")).unwrap(), Some(record.clone()));
     // A write stores the new form, read back the same.
     let mut next = record.clone();
@@ -442,6 +442,109 @@ fn sqlite_rows_written_by_schema_version_1_are_read_after_the_upgrade() {
         )
     );
     assert_eq!(store.get(&key("k")).unwrap(), Some(next));
+}
+
+/// How many temporary b-trees (`OpenEphemeral`) a statement builds each
+/// time it runs.
+fn ephemeral_tables(conn: &Connection, sql: &str) -> usize {
+    let mut stmt = conn.prepare(&format!("EXPLAIN {sql}")).unwrap();
+    // Unbound parameters are NULL: enough to compile the program.
+    let mut rows = stmt.raw_query();
+    let mut count = 0;
+    while let Some(row) = rows.next().unwrap() {
+        if row.get::<_, String>(1).unwrap() == "OpenEphemeral" {
+            count += 1;
+        }
+    }
+    count
+}
+
+#[test]
+fn sqlite_version_3_keeps_rows_and_ids_and_writes_without_temporary_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    // A version-2 database holding ids 1 to 3, the last one deleted since
+    // (the sweeper's work): its AUTOINCREMENT counter is above every id.
+    {
+        let conn = Connection::open(&path).unwrap();
+        for sql in &super::MIGRATIONS[..2] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.execute_batch("PRAGMA user_version = 2").unwrap();
+        for (i, status) in ["succeeded", "processing", "failed"].iter().enumerate() {
+            conn.execute(
+                "INSERT INTO idempotency_record (scope_key, biz_type, idem_key, request_hash,
+                    fingerprint_version, status, fencing_token, revision, attempts, lease_until,
+                    created_at, updated_at, expires_at)
+                 VALUES ('scope', ?1, ?2, ?4, 1, ?3, 1, 1, 1, 5, 1, 1, 9)",
+                rusqlite::params![BIZ, format!("k{i}"), status, "ab".repeat(32)],
+            )
+            .unwrap();
+        }
+        conn.execute("DELETE FROM idempotency_record WHERE idem_key = 'k2'", [])
+            .unwrap();
+        // Version 2 builds temporary tables: the check below can fail.
+        assert!(ephemeral_tables(&conn, super::SQL_INSERT) > 0);
+    }
+    let store = sqlite_at(&path);
+    let conn = raw(&store);
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 3);
+    let rows: Vec<(i64, String, String)> = conn
+        .prepare("SELECT id, idem_key, status FROM idempotency_record ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        [
+            (1, "k0".to_owned(), "succeeded".to_owned()),
+            (2, "k1".to_owned(), "processing".to_owned())
+        ]
+    );
+    // The counter came along: the deleted id 3 is not given again.
+    let fresh = insert(&store, &candidate(key("new")));
+    assert_eq!(fresh.id, 4);
+    // The unique key, the status check and the indexes are all there.
+    let taken = store.insert_if_absent(&candidate(RecordKey::new("scope", BIZ, "k0")));
+    assert!(matches!(taken, Ok(InsertOutcome::Existing(_))), "{taken:?}");
+    let refused = conn.execute("UPDATE idempotency_record SET status = 'paused'", []);
+    assert!(refused.is_err(), "the status check is gone");
+    let indexes: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        indexes,
+        [
+            "idempotency_record_outcome_unknown",
+            "idempotency_record_stale_processing",
+            "idempotency_record_sweep",
+            "sqlite_autoindex_idempotency_record_1"
+        ]
+    );
+    let plan = conn
+        .prepare(&format!("EXPLAIN QUERY PLAN {}", super::SQL_DELETE_EXPIRED))
+        .unwrap()
+        .query_map(rusqlite::params![10, 10], |r| r.get::<_, String>(3))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap()
+        .join("; ");
+    assert!(plan.contains("idempotency_record_sweep"), "{plan}");
+    // What version 3 is for: no temporary b-tree per write. (The sweep's
+    // `id IN (SELECT …)` keeps its one, per batch of expired rows.)
+    for sql in [super::SQL_INSERT, super::SQL_SWAP] {
+        assert_eq!(ephemeral_tables(&conn, sql), 0, "{sql}");
+    }
+    assert!(store.integrity_check().unwrap());
 }
 
 #[test]
@@ -851,4 +954,22 @@ fn a_store_says_a_write_would_wait_while_a_group_is_written() {
     let held = plain.inner.writers.take(Duration::from_secs(1)).unwrap();
     assert!(!plain.write_would_wait());
     drop(held);
+}
+
+/// The Node and Python packages create the same schema, so that one file
+/// is shared by the three languages: each version's text is theirs
+/// verbatim.
+#[test]
+fn the_packages_carry_this_schema_verbatim() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packages");
+    for package in ["node/src/sqlite.js", "python/src/idem/sqlite.py"] {
+        let source = std::fs::read_to_string(root.join(package)).unwrap();
+        for (i, sql) in super::MIGRATIONS.iter().enumerate() {
+            assert!(
+                source.contains(sql),
+                "{package} lacks schema version {} as this store writes it",
+                i + 1
+            );
+        }
+    }
 }

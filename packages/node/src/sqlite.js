@@ -44,6 +44,53 @@ export const MIGRATIONS = [
   // read); the number changes so that a build knowing only version 1
   // refuses the file instead of failing on the new rows.
   "-- byte strings in response and failure are base64 from here on",
+  // Version 3: the status checks as `=` chains, not `IN` lists, which
+  // SQLite evaluates by building a temporary b-tree on every insert and
+  // swap. The table is rebuilt, rows, ids and the AUTOINCREMENT counter
+  // kept.
+  `CREATE TABLE idempotency_record_v3 (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        scope_key TEXT NOT NULL,
+        biz_type TEXT NOT NULL,
+        idem_key TEXT NOT NULL,
+        request_hash TEXT NOT NULL,
+        fingerprint_version INTEGER NOT NULL,
+        status TEXT NOT NULL CHECK (status = 'processing' OR status = 'succeeded'
+            OR status = 'failed' OR status = 'released' OR status = 'outcome-unknown'),
+        fencing_token INTEGER NOT NULL,
+        revision INTEGER NOT NULL,
+        attempts INTEGER NOT NULL,
+        lease_until INTEGER,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        expires_at INTEGER,
+        result_ref TEXT,
+        response BLOB,
+        failure BLOB,
+        UNIQUE (scope_key, biz_type, idem_key)
+    );
+    INSERT INTO idempotency_record_v3 (id, scope_key, biz_type, idem_key, request_hash,
+            fingerprint_version, status, fencing_token, revision, attempts, lease_until,
+            created_at, updated_at, expires_at, result_ref, response, failure)
+        SELECT id, scope_key, biz_type, idem_key, request_hash,
+            fingerprint_version, status, fencing_token, revision, attempts, lease_until,
+            created_at, updated_at, expires_at, result_ref, response, failure
+        FROM idempotency_record ORDER BY id;
+    DELETE FROM sqlite_sequence WHERE name = 'idempotency_record_v3';
+    INSERT INTO sqlite_sequence (name, seq)
+        SELECT 'idempotency_record_v3', seq FROM sqlite_sequence
+        WHERE name = 'idempotency_record';
+    DROP TABLE idempotency_record;
+    ALTER TABLE idempotency_record_v3 RENAME TO idempotency_record;
+    CREATE INDEX idempotency_record_sweep
+        ON idempotency_record (expires_at)
+        WHERE (status = 'succeeded' OR status = 'failed' OR status = 'released');
+    CREATE INDEX idempotency_record_stale_processing
+        ON idempotency_record (biz_type, lease_until)
+        WHERE status = 'processing';
+    CREATE INDEX idempotency_record_outcome_unknown
+        ON idempotency_record (biz_type, updated_at)
+        WHERE status = 'outcome-unknown';`,
 ];
 
 const COLUMNS = "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, "
@@ -68,7 +115,8 @@ const SQL_SWAP = `UPDATE idempotency_record SET
     WHERE scope_key = ? AND biz_type = ? AND idem_key = ? AND revision = ? AND id = ?`;
 const SQL_DELETE_EXPIRED = `DELETE FROM idempotency_record WHERE id IN (
         SELECT id FROM idempotency_record
-        WHERE status IN ('succeeded', 'failed', 'released') AND expires_at <= ?
+        WHERE (status = 'succeeded' OR status = 'failed' OR status = 'released')
+            AND expires_at <= ?
         ORDER BY expires_at, id
         LIMIT ?)`;
 const SQL_LIST_STALE = `SELECT ${COLUMNS} FROM idempotency_record

@@ -295,9 +295,9 @@ test("a busy database is 'unavailable', not 'no record'", () => {
   assert.equal(idem.begin({ ...key("k"), body: {} }).decision, "execute");
 });
 
-test("the file has the Rust store's schema: version 2 and the unique index", () => {
+test("the file has the Rust store's schema: version 3 and the unique index", () => {
   const { store } = setup();
-  assert.equal(Number(store.db.pragma("user_version", { simple: true })), 2);
+  assert.equal(Number(store.db.pragma("user_version", { simple: true })), 3);
   const idx = store.db.prepare("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name").all().map((r) => r.name);
   assert.deepEqual(idx, ["idempotency_record_outcome_unknown", "idempotency_record_stale_processing", "idempotency_record_sweep", "sqlite_autoindex_idempotency_record_1"]);
   assert.equal(String(store.db.pragma("journal_mode", { simple: true })), "wal");
@@ -312,7 +312,7 @@ test("rows written by schema version 1 are read after the upgrade; new rows are 
   store.db.prepare("UPDATE idempotency_record SET response = ?").run(Buffer.from(v1));
   store.db.pragma("user_version = 1");
   const upgraded = new SqliteStore(path);
-  assert.equal(Number(upgraded.db.pragma("user_version", { simple: true })), 2);
+  assert.equal(Number(upgraded.db.pragma("user_version", { simple: true })), 3);
   const r = new Idem({ store: upgraded, clock }).begin({ ...key("k"), body: {} });
   assert.equal(r.decision, "replay");
   assert.equal(r.response.status, 201);

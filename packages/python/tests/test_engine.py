@@ -270,7 +270,7 @@ def test_busy_database_is_unavailable(env):
 
 def test_schema_is_the_rust_stores(env):
     c = env.store.connection
-    assert c.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert c.execute("PRAGMA user_version").fetchone()[0] == 3
     names = [r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name")]
     assert names == ["idempotency_record_outcome_unknown", "idempotency_record_stale_processing",
                      "idempotency_record_sweep", "sqlite_autoindex_idempotency_record_1"]
@@ -291,7 +291,7 @@ def test_rows_written_by_schema_version_1_are_read_after_the_upgrade(env):
     c.commit()
     c.close()
     store = SqliteStore(env.path)
-    assert store.connection.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert store.connection.execute("PRAGMA user_version").fetchone()[0] == 3
     r = Idem(store, clock=env.clock).begin(S, B, "k", body={})
     assert r.decision == "replay" and r.response == Response(201, [("x-bin", bytes([0, 255]))], b"body")
     # What this build writes: base64, as the Rust store.
