@@ -755,3 +755,61 @@ server_errors = "store"
     ensure!(status["status"] == "failed", "inspect: {status}");
     Ok(())
 }
+
+/// A body over the server's limit is refused with 413 before the rest of
+/// it arrived. The answer says `Connection: close`, and the connection
+/// closes: an answer promising keep-alive on a connection then closed
+/// would make a client that pooled it lose its next request.
+#[test]
+fn a_body_over_the_limit_is_refused_and_the_connection_closed_as_said() -> Result<()> {
+    use std::io::{Read, Write};
+
+    let w = World::start()?;
+    let addr = w
+        .server
+        .base
+        .strip_prefix("http://")
+        .context("server base URL")?;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(ARRIVAL))?;
+    let limit = idem::middleware::MAX_REQUEST_BODY_BYTES;
+    // Declared larger than what is sent before the answer is read.
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: server\r\nAuthorization: {TEST_CLIENT}\r\n\
+         Idempotency-Key: \"big\"\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        limit + 1000
+    );
+    s.write_all(head.as_bytes())?;
+    s.write_all(&vec![b' '; limit + 1])?;
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut chunk).context("reading the answer")?;
+        ensure!(n > 0, "closed before an answer");
+        answer.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+    ensure!(head.starts_with("http/1.1 413"), "{head}");
+    ensure!(head.contains("connection: close"), "{head}");
+    // The rest of the body and a second request: the server closes
+    // without answering it.
+    let _ = s.write_all(&vec![b' '; 999]);
+    let _ = s.write_all(b"GET /orders HTTP/1.1\r\nHost: server\r\n\r\n");
+    let mut rest = Vec::new();
+    let closed = loop {
+        match s.read(&mut chunk) {
+            Ok(0) => break true,
+            Ok(n) => rest.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break true,
+            Err(e) => return Err(e).context("waiting for the close"),
+        }
+    };
+    ensure!(closed);
+    ensure!(
+        !String::from_utf8_lossy(&rest).contains("HTTP/1.1"),
+        "a second answer on a connection said to close"
+    );
+    ensure!(w.executions("/orders", 0) == 0, "the handler ran");
+    Ok(())
+}

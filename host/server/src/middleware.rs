@@ -558,11 +558,15 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
     let (mut parts, body) = request.into_parts();
     let body = match Limited::new(body, MAX_REQUEST_BODY_BYTES).collect().await {
         Ok(collected) => collected.to_bytes(),
+        // The body is not read to its end: the connection cannot carry
+        // another request, and the answer says so. Without it hyper would
+        // answer with keep-alive and then close the connection, and a
+        // client that pooled it would lose its next request.
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
             let limit = u64::try_from(MAX_REQUEST_BODY_BYTES).unwrap_or(u64::MAX);
-            return problem(idem_http::Problem::body_too_large(limit));
+            return closing(problem(idem_http::Problem::body_too_large(limit)));
         }
-        Err(_) => return problem(idem_http::Problem::body_unreadable()),
+        Err(_) => return closing(problem(idem_http::Problem::body_unreadable())),
     };
     if !parts.headers.contains_key(header::HOST) {
         parts
@@ -579,6 +583,14 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
         Ok(response) => response,
         Err(e) => failure_problem(&inner, &e),
     }
+}
+
+/// `response`, saying that the connection closes after it.
+fn closing(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// The answer to a request whose component failed before it answered.
