@@ -78,6 +78,12 @@ impl<I: Send + 'static> Batcher<I> {
         Self { jobs }
     }
 
+    /// How many deliveries wait for a batch (not counting the batch that
+    /// runs): how far the store is behind the deliveries, for metrics.
+    pub fn waiting(&self) -> usize {
+        self.jobs.max_capacity() - self.jobs.capacity()
+    }
+
     /// Runs `message` in the next batch, with `item` (what the batch's
     /// call needs of it, such as the delivery), and says what to do with
     /// the delivery.
@@ -235,7 +241,6 @@ mod tests {
                 })
             },
         );
-        let capacity = batcher.jobs.max_capacity();
         let deliver = |n: usize| {
             let batcher = batcher.clone();
             tokio::spawn(async move {
@@ -256,7 +261,7 @@ mod tests {
         tasks.extend((1..DELIVERIES).map(deliver));
         let first = sizes.lock().expect("sizes")[0];
         assert_eq!(first, 1);
-        until(|| batcher.jobs.capacity() == capacity - (DELIVERIES - first)).await;
+        until(|| batcher.waiting() == DELIVERIES - first).await;
         gate.open();
         let mut executed = 0;
         let mut duplicates = 0;

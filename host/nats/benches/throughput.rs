@@ -27,9 +27,9 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::{self, StorageType};
 use async_nats::jetstream::{self, Context};
 use futures_util::StreamExt;
-use idem_consumer::{Acked, Consumer, ConsumerConfig, HandlerError, Verdict};
+use idem_consumer::{Acked, Batcher, Consumer, ConsumerConfig, HandlerError, Verdict};
 use idem_engine::Engine;
-use idem_engine::{ActionResult, BeginRequest, Success};
+use idem_engine::{ActionResult, BeginRequest, Error as EngineError, RunOutcome, Success};
 use idem_nats::{
     AdapterConfig, DEFAULT_MAX_IN_FLIGHT, Delivery, Incoming, JetStreamAdapter, MessageId, Observer,
 };
@@ -341,8 +341,22 @@ enum Mode {
     /// and outcome (`run_blocking` with `run_in_one_transaction`).
     OneTransaction,
     /// The same, for the messages in flight together (`run_batch_blocking`
-    /// with `run_batch_in_one_transaction`): one commit per batch.
+    /// with `run_batch_in_one_transaction`): one commit per batch, a
+    /// batcher per consumer.
     Batch,
+    /// The same with one batcher that the consumers share (`run_batched`):
+    /// the messages in flight in all of them make up a batch.
+    SharedBatch,
+}
+
+/// The batch handler of the batched modes: each message's `orders` row in
+/// the batch's one transaction.
+fn orders(
+    ms: Vec<Incoming>,
+    engine: &Engine,
+    requests: &[BeginRequest],
+) -> Result<Vec<Result<RunOutcome, EngineError>>, EngineError> {
+    engine.run_batch_in_one_transaction(requests, |i, _, conn| order(&ms[i].id, conn))
 }
 
 /// Writes the `orders` row of message `id`.
@@ -398,12 +412,14 @@ async fn measure_idem(
         }
     }));
     let (stop, stopped) = watch::channel(false);
+    let shared = Batcher::new(&consumer, args.consumers * args.in_flight, orders);
     let cpu = CpuMeter::start()?;
     let started = Instant::now();
     let runs: Vec<_> = (0..args.consumers)
         .map(|_| {
             let adapter =
                 JetStreamAdapter::new(js.clone(), pull.clone(), consumer.clone(), config.clone());
+            let shared = shared.clone();
             let mut stopped = stopped.clone();
             tokio::spawn(async move {
                 let shutdown = async move {
@@ -424,17 +440,10 @@ async fn measure_idem(
                     }
                     Mode::Batch => {
                         adapter
-                            .run_batch_blocking(
-                                usize::MAX,
-                                |ms: Vec<Incoming>, engine: &Engine, requests: &[BeginRequest]| {
-                                    engine.run_batch_in_one_transaction(requests, |i, _, conn| {
-                                        order(&ms[i].id, conn)
-                                    })
-                                },
-                                shutdown,
-                            )
+                            .run_batch_blocking(usize::MAX, orders, shutdown)
                             .await
                     }
+                    Mode::SharedBatch => adapter.run_batched(shared, shutdown).await,
                     Mode::Noop => {
                         adapter
                             .run(
@@ -486,36 +495,57 @@ async fn main() -> anyhow::Result<()> {
     );
     let plain = measure_plain(&js, &tag, &args).await?;
     if args.only_batch {
-        let batch = measure_idem(&js, &tag, &args, Mode::Batch).await?;
+        let (batch, shared) = measure_batched(&js, &tag, &args).await?;
         for (what, m) in [
             ("plain ack", &plain),
             ("idem, a business row, batched", &batch),
+            ("idem, a business row, shared batcher", &shared),
         ] {
             print_row(what, m);
         }
-        println!("  batched / plain: {:.2}", batch.rate / plain.rate);
+        println!(
+            "  batched / plain: {:.2}; shared batcher / plain: {:.2}; shared / batched: {:.2}",
+            batch.rate / plain.rate,
+            shared.rate / plain.rate,
+            shared.rate / batch.rate
+        );
         return Ok(());
     }
     let idem = measure_idem(&js, &tag, &args, Mode::Noop).await?;
     let one = measure_idem(&js, &tag, &args, Mode::OneTransaction).await?;
-    let batch = measure_idem(&js, &tag, &args, Mode::Batch).await?;
+    let (batch, shared) = measure_batched(&js, &tag, &args).await?;
     for (what, m) in [
         ("plain ack", &plain),
         ("idem (SQLite)", &idem),
         ("idem, a business row, one transaction", &one),
         ("idem, a business row, batched", &batch),
+        ("idem, a business row, shared batcher", &shared),
     ] {
         print_row(what, m);
     }
     println!(
         "  idem / plain: {:.2} of the plain rate; with a business row in one transaction {:.2}; \
-         batched {:.2} (batched / one transaction {:.2})",
+         batched {:.2} (batched / one transaction {:.2}); shared batcher {:.2} (shared / batched \
+         {:.2})",
         idem.rate / plain.rate,
         one.rate / plain.rate,
         batch.rate / plain.rate,
-        batch.rate / one.rate
+        batch.rate / one.rate,
+        shared.rate / plain.rate,
+        shared.rate / batch.rate
     );
     Ok(())
+}
+
+/// The two batched modes, one after the other.
+async fn measure_batched(
+    js: &Context,
+    tag: &str,
+    args: &Args,
+) -> anyhow::Result<(Measured, Measured)> {
+    let batch = measure_idem(js, tag, args, Mode::Batch).await?;
+    let shared = measure_idem(js, tag, args, Mode::SharedBatch).await?;
+    Ok((batch, shared))
 }
 
 /// Prints one mode's figures.

@@ -569,6 +569,30 @@ impl JetStreamAdapter {
     {
         let max_batch = max_batch.clamp(1, self.inner.config.max_in_flight.max(1));
         let batcher = Batcher::new(&self.inner.consumer, max_batch, handler);
+        self.run_batched(batcher, shutdown).await
+    }
+
+    /// Like [`JetStreamAdapter::run_batch_blocking`], with a [`Batcher`]
+    /// that several adapters of this process share: the deliveries in
+    /// flight in all of them make up one batch, so four adapters with 8
+    /// messages in flight each commit batches of up to 32 (the batcher's
+    /// `max_batch` allowing), one batch at a time, instead of four batches
+    /// of up to 8 that queue for SQLite's one writer. Use it when the
+    /// store has one writer (SQLite); with PostgreSQL, a batcher per
+    /// adapter lets batches of different keys commit side by side.
+    ///
+    /// `batcher` MUST be built on this adapter's [`Consumer`] (the one
+    /// given to [`JetStreamAdapter::new`]): it makes the engine requests
+    /// and the verdicts.
+    ///
+    /// # Errors
+    ///
+    /// As [`JetStreamAdapter::run`].
+    pub async fn run_batched(
+        &self,
+        batcher: Batcher<Incoming>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Report, NatsError> {
         self.consume(BatchingHandler(batcher), shutdown).await
     }
 
@@ -705,7 +729,7 @@ impl JetStreamAdapter {
 /// How a run gets a delivery's verdict from the consumer: through an async
 /// handler ([`JetStreamAdapter::run`]), a blocking one
 /// ([`JetStreamAdapter::run_blocking`]) or a batch
-/// ([`JetStreamAdapter::run_batch_blocking`]).
+/// ([`JetStreamAdapter::run_batch_blocking`], [`JetStreamAdapter::run_batched`]).
 trait Decide: Send + Sync + 'static {
     fn decide<'a>(
         &'a self,

@@ -19,7 +19,7 @@ use async_nats::jetstream::message::{PublishMessage, StreamMessage};
 use async_nats::jetstream::stream::{self, StorageType};
 use async_nats::jetstream::{self, Context};
 use bytes::Bytes;
-use idem_consumer::{Consumer, ConsumerConfig, HandlerError};
+use idem_consumer::{Batcher, Consumer, ConsumerConfig, HandlerError};
 use idem_engine::types::Success;
 use idem_engine::{ActionResult, Engine, MemoryStore};
 use idem_nats::{
@@ -510,6 +510,71 @@ async fn a_batching_handler_writes_each_message_once_in_one_transaction_per_batc
     Ok(())
 }
 
+/// A SQLite store with the business table of the writer tests, in idem's
+/// database and without a unique constraint: a second write of one message
+/// would show.
+fn reservations_store(dir: &tempfile::TempDir) -> anyhow::Result<idem_sqlite::SqliteStore> {
+    let store = idem_sqlite::SqliteStore::open(
+        dir.path().join("idem.db"),
+        idem_sqlite::SqliteOptions::default(),
+    )?;
+    let tx = store.begin_transaction()?;
+    tx.with_connection(|c| {
+        c.execute_batch("CREATE TABLE reservations (id TEXT NOT NULL, body BLOB NOT NULL)")
+    })??;
+    tx.commit()?;
+    Ok(store)
+}
+
+/// Publishes [`BLOCKING_MESSAGES`] messages, each twice (a producer retry).
+async fn publish_each_twice(broker: &Broker) -> anyhow::Result<()> {
+    for i in 0..BLOCKING_MESSAGES {
+        for _ in 0..2 {
+            broker
+                .publish(Some(&format!("order-{i}")), format!("qty={i}"))
+                .await?
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// The reservation rows, and how many distinct ids they have.
+fn reservation_rows(store: &idem_sqlite::SqliteStore) -> anyhow::Result<(i64, i64)> {
+    let tx = store.begin_transaction()?;
+    let counts = tx.with_connection(|c| {
+        c.query_row(
+            "SELECT COUNT(*), COUNT(DISTINCT id) FROM reservations",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+    })??;
+    tx.rollback()?;
+    Ok(counts)
+}
+
+/// Waits for every message's reservation and for the consumer to be
+/// drained, stops the runs and sums their reports.
+async fn settled(
+    broker: &Broker,
+    pull: &PullConsumer,
+    store: &idem_sqlite::SqliteStore,
+    stop: Stop,
+    runs: Vec<JoinHandle<Result<Report, NatsError>>>,
+) -> anyhow::Result<Report> {
+    eventually("every reservation", || async {
+        Ok(reservation_rows(store)?.1 == BLOCKING_MESSAGES as i64)
+    })
+    .await?;
+    broker.drained(pull).await?;
+    stop.now();
+    let mut reports = Vec::new();
+    for run in runs {
+        reports.push(run.await??);
+    }
+    Ok(sum(&reports))
+}
+
 /// The business row of a delivery, written in the idem transaction.
 fn reserve(conn: &rusqlite::Connection, incoming: &Incoming) -> ActionResult {
     match conn.execute(
@@ -529,26 +594,9 @@ async fn writers(tag: &str, batch: bool) -> anyhow::Result<usize> {
     let broker = Broker::new(tag).await?;
     let pull = broker.consumer("writers", LONG_ACK_WAIT).await?;
     let dir = tempfile::tempdir()?;
-    let store = idem_sqlite::SqliteStore::open(
-        dir.path().join("idem.db"),
-        idem_sqlite::SqliteOptions::default(),
-    )?;
-    // The business table, in idem's database, without a unique constraint:
-    // a second write of one message would show.
-    let tx = store.begin_transaction()?;
-    tx.with_connection(|c| {
-        c.execute_batch("CREATE TABLE reservations (id TEXT NOT NULL, body BLOB NOT NULL)")
-    })??;
-    tx.commit()?;
+    let store = reservations_store(&dir)?;
     let consumer = Consumer::new(engine_on(store.clone())?, ConsumerConfig::new(BIZ));
-    for i in 0..BLOCKING_MESSAGES {
-        for _ in 0..2 {
-            broker
-                .publish(Some(&format!("order-{i}")), format!("qty={i}"))
-                .await?
-                .await?;
-        }
-    }
+    publish_each_twice(&broker).await?;
     let stop = Stop::new();
     let largest = Arc::new(AtomicUsize::new(0));
     let runs: Vec<_> = (0..2)
@@ -584,29 +632,8 @@ async fn writers(tag: &str, batch: bool) -> anyhow::Result<usize> {
             }))
         })
         .collect::<anyhow::Result<_>>()?;
-    let rows = || -> anyhow::Result<(i64, i64)> {
-        let tx = store.begin_transaction()?;
-        let counts = tx.with_connection(|c| {
-            c.query_row(
-                "SELECT COUNT(*), COUNT(DISTINCT id) FROM reservations",
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-        })??;
-        tx.rollback()?;
-        Ok(counts)
-    };
-    eventually("every reservation", || async {
-        Ok(rows()?.1 == BLOCKING_MESSAGES as i64)
-    })
-    .await?;
-    broker.drained(&pull).await?;
-    stop.now();
-    let mut reports = Vec::new();
-    for run in runs {
-        reports.push(run.await??);
-    }
-    let total = sum(&reports);
+    let total = settled(&broker, &pull, &store, stop, runs).await?;
+    let rows = || reservation_rows(&store);
     let (written, distinct) = rows()?;
     let largest = largest.load(Ordering::SeqCst);
     println!(
@@ -625,6 +652,133 @@ async fn writers(tag: &str, batch: bool) -> anyhow::Result<usize> {
         2 * BLOCKING_MESSAGES as u64
     );
     Ok(largest)
+}
+
+/// Messages in flight per adapter when two adapters share a batcher.
+const SHARED_IN_FLIGHT: usize = 4;
+
+/// A gate the batch handler waits at (on its blocking thread) while the
+/// test lines up the next batch.
+#[derive(Default)]
+struct Gate {
+    open: Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    fn wait(&self) {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        while !*open {
+            open = self.opened.wait(open).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+    fn open(&self) {
+        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.opened.notify_all();
+    }
+}
+
+/// Two adapters on one durable consumer, sharing one batcher
+/// (`run_batched`): while a batch runs, the deliveries of both wait, and
+/// the next batch takes them all, more than one adapter ever has in
+/// flight; batches never overlap; and every message, published twice,
+/// takes effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_sharing_a_batcher_commit_their_deliveries_in_one_batch() -> anyhow::Result<()> {
+    let broker = Broker::new("shared").await?;
+    let pull = broker.consumer("shared", LONG_ACK_WAIT).await?;
+    let dir = tempfile::tempdir()?;
+    let store = reservations_store(&dir)?;
+    let consumer = Consumer::new(engine_on(store.clone())?, ConsumerConfig::new(BIZ));
+    publish_each_twice(&broker).await?;
+    let sizes = Arc::new(Mutex::new(Vec::<usize>::new()));
+    let running = Arc::new(AtomicUsize::new(0));
+    let overlapped = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(Gate::default());
+    let batcher = Batcher::new(&consumer, 2 * SHARED_IN_FLIGHT, {
+        let (sizes, running, overlapped, gate) = (
+            sizes.clone(),
+            running.clone(),
+            overlapped.clone(),
+            gate.clone(),
+        );
+        move |batch: Vec<Incoming>, engine: &Engine, requests: &[idem_engine::BeginRequest]| {
+            if running.fetch_add(1, Ordering::SeqCst) > 0 {
+                overlapped.fetch_add(1, Ordering::SeqCst);
+            }
+            let first = {
+                let mut sizes = sizes.lock().unwrap_or_else(|p| p.into_inner());
+                sizes.push(batch.len());
+                sizes.len() == 1
+            };
+            if first {
+                gate.wait();
+            }
+            let outcomes = engine
+                .run_batch_in_one_transaction(requests, |i, _, conn| reserve(conn, &batch[i]));
+            running.fetch_sub(1, Ordering::SeqCst);
+            outcomes
+        }
+    });
+    let stop = Stop::new();
+    let mut config = broker.config()?;
+    config.max_in_flight = SHARED_IN_FLIGHT;
+    let start = |config: AdapterConfig| {
+        let adapter = broker.adapter(&pull, &consumer, config);
+        let (batcher, signal) = (batcher.clone(), stop.signal());
+        tokio::spawn(async move { adapter.run_batched(batcher, signal).await })
+    };
+    let sizes_now = || sizes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    // The first adapter: its first batch is held at the gate, the rest of
+    // its deliveries wait behind it.
+    let mut runs = vec![start(config.clone())];
+    eventually("the first batch", || async { Ok(!sizes_now().is_empty()) }).await?;
+    let first = sizes_now()[0];
+    eventually("the first adapter's deliveries to wait", || async {
+        Ok(batcher.waiting() == SHARED_IN_FLIGHT - first)
+    })
+    .await?;
+    // The second adapter's deliveries join them.
+    runs.push(start(config));
+    eventually("both adapters' deliveries to wait", || async {
+        Ok(batcher.waiting() == 2 * SHARED_IN_FLIGHT - first)
+    })
+    .await?;
+    gate.open();
+    let total = settled(&broker, &pull, &store, stop, runs).await?;
+    let rows = || reservation_rows(&store);
+    let sizes = sizes_now();
+    println!(
+        "shared batcher: {BLOCKING_MESSAGES} messages published twice, 2 adapters x \
+         {SHARED_IN_FLIGHT} in flight: {} deliveries, {} executed, {} duplicates, {} batches, \
+         the first two of {} and {}",
+        total.deliveries,
+        total.executed,
+        total.duplicates,
+        sizes.len(),
+        sizes[0],
+        sizes[1]
+    );
+    // The batch after the held one took every delivery that waited, from
+    // both adapters: more than one adapter can have in flight.
+    assert_eq!(sizes[1], 2 * SHARED_IN_FLIGHT - first);
+    assert!(sizes[1] > SHARED_IN_FLIGHT - first);
+    assert_eq!(
+        overlapped.load(Ordering::SeqCst),
+        0,
+        "two batches ran at once"
+    );
+    assert_eq!(
+        rows()?,
+        (BLOCKING_MESSAGES as i64, BLOCKING_MESSAGES as i64)
+    );
+    assert_eq!(total.executed, BLOCKING_MESSAGES as u64);
+    assert_eq!(
+        total.executed + total.duplicates,
+        2 * BLOCKING_MESSAGES as u64
+    );
+    assert_eq!(total.dead_lettered + total.store_errors, 0);
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------
