@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::extract::ConnectInfo;
 use axum::response::IntoResponse;
-use http::{HeaderValue, Request, Response, header, request};
+use http::{Request, Response, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{Service, ServiceExt};
 use tracing::Instrument;
@@ -24,7 +24,7 @@ use crate::config::{KeyRequirement, Route, ServerErrors};
 use crate::key::{IDEMPOTENCY_KEY, ScopeError, derive_scope, parse_idempotency_key};
 use crate::problem::Problem;
 use crate::response::classify_status;
-use crate::response::{disposition, from_stored};
+use crate::response::{closing, disposition, from_stored};
 use crate::rules::{body_kind, engine_error_problem, http_decision};
 use idem_engine::api::{
     BeginRequest, Completion, Decision, Disposition, Extension, InProgressMode, Policy, Ticket,
@@ -141,16 +141,6 @@ fn unread(parts: &request::Parts, body: Body, response: Response<Body>) -> Respo
         return closing(response);
     }
     tokio::spawn(drain(body));
-    response
-}
-
-/// `response`, saying that the connection closes after it: the request's
-/// body was not read to its end, so the connection cannot carry another
-/// request.
-fn closing(mut response: Response<Body>) -> Response<Body> {
-    response
-        .headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
     response
 }
 

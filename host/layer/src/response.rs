@@ -14,6 +14,16 @@ pub use idem_http::{MAX_STORED_BODY_BYTES, MAX_STORED_HEADERS, ServerErrors, Ver
 /// The header added to every answer served from the store.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static(idem_http::IDEMPOTENT_REPLAYED);
 
+/// `response`, saying that the connection closes after it: for an answer
+/// given before the request's body was read to its end, after which the
+/// connection cannot carry another request.
+pub fn closing<B>(mut response: http::Response<B>) -> http::Response<B> {
+    response
+        .headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
 /// Why the upstream call did not produce a response.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UpstreamError {

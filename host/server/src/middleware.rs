@@ -72,6 +72,7 @@ use idem_engine::bounds::{Flavor, Guard, GuestBounds, Stopped};
 use idem_engine::clock::Clock;
 use idem_engine::engine::{NoLookup, ResultLookup};
 use idem_engine::{store::Storage, store::StoreError, types};
+use idem_layer::response::closing;
 
 use crate::proxy::config::{
     AnonymousMode, ConfigError, KeyRequirement, ProxyConfig, RouteTable, ServerErrors,
@@ -583,14 +584,6 @@ async fn handle(AxumState(inner): AxumState<Arc<Inner>>, request: Request) -> Re
         Ok(response) => response,
         Err(e) => failure_problem(&inner, &e),
     }
-}
-
-/// `response`, saying that the connection closes after it.
-fn closing(mut response: Response) -> Response {
-    response
-        .headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    response
 }
 
 /// The answer to a request whose component failed before it answered.
