@@ -40,12 +40,15 @@ struct Job<I> {
 /// Cheap to clone; the batch task ends when the last clone is dropped.
 pub struct Batcher<I> {
     jobs: mpsc::Sender<Job<I>>,
+    /// The consumer whose requests and verdicts the batches make.
+    consumer: Consumer,
 }
 
 impl<I> Clone for Batcher<I> {
     fn clone(&self) -> Self {
         Self {
             jobs: self.jobs.clone(),
+            consumer: self.consumer.clone(),
         }
     }
 }
@@ -75,7 +78,16 @@ impl<I: Send + 'static> Batcher<I> {
         let (jobs, queue) = mpsc::channel(max_batch * QUEUED_BATCHES);
         let run: Arc<BatchRun<I>> = Arc::new(run);
         tokio::spawn(batches(consumer.clone(), max_batch, queue, run));
-        Self { jobs }
+        Self {
+            jobs,
+            consumer: consumer.clone(),
+        }
+    }
+
+    /// The consumer this batcher was built on: it makes each message's
+    /// engine request and verdict.
+    pub fn consumer(&self) -> &Consumer {
+        &self.consumer
     }
 
     /// How many deliveries wait for a batch (not counting the batch that

@@ -581,18 +581,29 @@ impl JetStreamAdapter {
     /// store has one writer (SQLite); with PostgreSQL, a batcher per
     /// adapter lets batches of different keys commit side by side.
     ///
-    /// `batcher` MUST be built on this adapter's [`Consumer`] (the one
-    /// given to [`JetStreamAdapter::new`]): it makes the engine requests
-    /// and the verdicts.
+    /// `batcher` MUST be built on a [`Consumer`] with this adapter's
+    /// configuration (its biz type and policy): it makes the engine
+    /// requests and the verdicts.
     ///
     /// # Errors
     ///
-    /// As [`JetStreamAdapter::run`].
+    /// [`NatsError::Config`] when `batcher`'s consumer has another biz
+    /// type or policy than this adapter's, before anything is pulled;
+    /// otherwise as [`JetStreamAdapter::run`].
     pub async fn run_batched(
         &self,
         batcher: Batcher<Incoming>,
         shutdown: impl Future<Output = ()>,
     ) -> Result<Report, NatsError> {
+        let (ours, theirs) = (self.inner.consumer.config(), batcher.consumer().config());
+        if ours.biz_type != theirs.biz_type || ours.policy != theirs.policy {
+            return Err(NatsError::Config(format!(
+                "the batcher's consumer (biz type {:?}) is not configured as this adapter's \
+                 (biz type {:?}): its messages would be keyed and answered under other rules; \
+                 build the batcher on the adapter's consumer",
+                theirs.biz_type, ours.biz_type
+            )));
+        }
         self.consume(BatchingHandler(batcher), shutdown).await
     }
 

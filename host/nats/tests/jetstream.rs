@@ -1183,6 +1183,40 @@ async fn a_consumer_without_explicit_acks_is_refused() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A batcher built on a consumer of another biz type, or of the same biz
+/// type under another policy, is refused before anything is pulled: its
+/// messages would be keyed and answered under the other rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batcher_on_another_consumer_is_refused() -> anyhow::Result<()> {
+    let broker = Broker::new("other_batcher").await?;
+    let pull = broker.consumer("other_batcher", LONG_ACK_WAIT).await?;
+    broker.publish(Some("order-1"), "qty=1").await?.await?;
+    let engine = engine_on(MemoryStore::new())?;
+    let consumer = Consumer::new(engine.clone(), ConsumerConfig::new(BIZ));
+    let mut other_policy = ConsumerConfig::new(BIZ);
+    other_policy.policy.max_attempts = Some(1);
+    for config in [ConsumerConfig::new("billing.charge"), other_policy] {
+        let other = Consumer::new(engine.clone(), config);
+        let batcher = Batcher::new(
+            &other,
+            4,
+            |_: Vec<Incoming>, _: &Engine, _: &[idem_engine::BeginRequest]| Ok(Vec::new()),
+        );
+        let adapter = broker.adapter(&pull, &consumer, broker.config()?);
+        let outcome =
+            tokio::time::timeout(SETTLE, adapter.run_batched(batcher, std::future::pending()))
+                .await?;
+        match outcome {
+            Err(NatsError::Config(why)) => assert!(why.contains("batcher"), "{why}"),
+            other => bail!("the adapter ran with another consumer's batcher: {other:?}"),
+        }
+    }
+    // Nothing was pulled: the message still waits.
+    let info = pull.clone().info().await?.clone();
+    assert_eq!((info.num_pending, info.num_ack_pending), (1, 0));
+    Ok(())
+}
+
 /// Why `adapter` refuses to run; an error if it does not refuse.
 async fn refusal(adapter: JetStreamAdapter) -> anyhow::Result<String> {
     let outcome = tokio::time::timeout(
