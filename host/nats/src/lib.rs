@@ -546,7 +546,9 @@ impl JetStreamAdapter {
     /// store's `run_batch_in_one_transaction` so that the batch costs one
     /// commit. A lone message runs at once. `handler` gets the batch's
     /// messages and the matching engine requests, and answers one slot per
-    /// request.
+    /// request. The batcher is this adapter's own; several adapters of one
+    /// process on SQLite do better sharing one
+    /// ([`JetStreamAdapter::run_batched`]).
     ///
     /// # Errors
     ///
