@@ -173,36 +173,17 @@ async fn batches<I: Send + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Condvar, Mutex};
+    use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
     use idem_engine::engine::ActionResult;
     use idem_engine::store::StoreError;
+    use idem_engine::testing::Gate;
     use idem_engine::types::Success;
     use idem_sqlite::{RunInTransaction, SqliteOptions, SqliteStore};
 
     use super::*;
     use crate::{Acked, ConsumerConfig};
-
-    /// A gate the first batch waits at, so the test can queue the rest.
-    #[derive(Default)]
-    struct Gate {
-        open: Mutex<bool>,
-        opened: Condvar,
-    }
-
-    impl Gate {
-        fn wait(&self) {
-            let mut open = self.open.lock().expect("gate");
-            while !*open {
-                open = self.opened.wait(open).expect("gate");
-            }
-        }
-        fn open(&self) {
-            *self.open.lock().expect("gate") = true;
-            self.opened.notify_all();
-        }
-    }
 
     fn sqlite_consumer(dir: &tempfile::TempDir) -> Consumer {
         let path = dir.path().join("idem.db");

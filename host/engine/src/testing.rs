@@ -725,6 +725,31 @@ macro_rules! storage_conformance {
     };
 }
 
+/// A gate that blocking code waits at until the test opens it: how a test
+/// holds a batch, a handler or a writer at a known point while it lines up
+/// what comes next, without sleeping. Once open it stays open.
+#[derive(Debug, Default)]
+pub struct Gate {
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    /// Blocks the calling thread until the gate is open.
+    pub fn wait(&self) {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        while !*open {
+            open = self.opened.wait(open).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Opens the gate and wakes every waiter.
+    pub fn open(&self) {
+        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.opened.notify_all();
+    }
+}
+
 /// A name nobody else uses, for a test's own schema, queue or stream on a
 /// server that tests share: `prefix`, this process, a counter and the
 /// time, joined by `_` (valid in SQL identifiers and broker names).

@@ -67,6 +67,7 @@ fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned())
 }
 
+use idem_engine::testing::Gate;
 use idem_engine::testing::unique_name as unique;
 
 /// A test's own stream and subject, and a dead-letter stream and subject.
@@ -656,27 +657,6 @@ async fn writers(tag: &str, batch: bool) -> anyhow::Result<usize> {
 
 /// Messages in flight per adapter when two adapters share a batcher.
 const SHARED_IN_FLIGHT: usize = 4;
-
-/// A gate the batch handler waits at (on its blocking thread) while the
-/// test lines up the next batch.
-#[derive(Default)]
-struct Gate {
-    open: Mutex<bool>,
-    opened: std::sync::Condvar,
-}
-
-impl Gate {
-    fn wait(&self) {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        while !*open {
-            open = self.opened.wait(open).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-    fn open(&self) {
-        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        self.opened.notify_all();
-    }
-}
 
 /// Two adapters on one durable consumer, sharing one batcher
 /// (`run_batched`): while a batch runs, the deliveries of both wait, and
