@@ -4,7 +4,12 @@
 //! over once its lease ends, and every message takes effect exactly once.
 //! The consumers are two `idem-test-worker nats-consume` processes on one
 //! SQLite file, or on one PostgreSQL database, each writing its business
-//! row in the same transaction as its idempotency record.
+//! row in the same transaction as its idempotency record: either one
+//! message at a time (`run_blocking`), or with two adapters per process
+//! sharing one batcher (`run_batched`), each batch of both adapters'
+//! messages in one transaction, so that a kill drops a batch whose
+//! messages JetStream then redelivers to two adapters, maybe in two
+//! processes.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -29,33 +34,51 @@ const KEY_HEADER: &str = "Idem-Key";
 
 #[test]
 fn jetstream_consumers_killed_mid_message_lose_nothing_and_run_nothing_twice() -> Result<()> {
-    kill_run("sqlite", &mut Sqlite::new()?)
+    kill_run("sqlite", "single", &mut Sqlite::new()?)
 }
 
 /// Two consumer processes on one PostgreSQL database.
 #[test]
 fn jetstream_consumer_processes_on_postgres_killed_mid_message_run_nothing_twice() -> Result<()> {
     match Postgres::new()? {
-        Some(mut business) => kill_run("postgres", &mut business),
+        Some(mut business) => kill_run("postgres", "single", &mut business),
+        None => Ok(()),
+    }
+}
+
+/// Adapters sharing a batcher, killed mid-batch, on one SQLite file.
+#[test]
+fn jetstream_adapters_sharing_a_batcher_killed_mid_batch_run_nothing_twice() -> Result<()> {
+    kill_run("sqlite", "shared", &mut Sqlite::new()?)
+}
+
+/// Adapters sharing a batcher, killed mid-batch, on one PostgreSQL
+/// database.
+#[test]
+fn jetstream_adapters_sharing_a_batcher_on_postgres_killed_mid_batch_run_nothing_twice()
+-> Result<()> {
+    match Postgres::new()? {
+        Some(mut business) => kill_run("postgres", "shared", &mut business),
         None => Ok(()),
     }
 }
 
 /// Publishes [`MESSAGES`] twice each to a new stream, runs [`CONSUMERS`]
-/// worker processes on one durable consumer, kills one with SIGKILL
+/// worker processes in `mode` (`single` or `shared`) on one durable
+/// consumer, kills one with SIGKILL
 /// [`killing::KILLS`] times at random instants (starting a new one each
 /// time), waits for the stream to drain, and counts the business rows.
-fn kill_run(store: &str, business: &mut dyn Business) -> Result<()> {
+fn kill_run(store: &str, mode: &str, business: &mut dyn Business) -> Result<()> {
     let db = business.db();
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();
-    let name = format!("IDEM_KILL_{store}_{}_{nanos}", std::process::id());
+    let name = format!("IDEM_KILL_{store}_{mode}_{}_{nanos}", std::process::id());
     let (subject, dlq_stream, dlq_subject) = (
         format!("idem_kill.{name}"),
         format!("{name}_DLQ"),
         format!("idem_kill_dlq.{name}"),
     );
     let seed = (nanos as u64) | 1;
-    println!("{store}: seed {seed}");
+    println!("{store}, {mode}: seed {seed}");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -106,6 +129,7 @@ fn kill_run(store: &str, business: &mut dyn Business) -> Result<()> {
         &dlq_subject,
         &db,
         LEASE_MS,
+        mode,
     ];
     let mut workers = (0..CONSUMERS)
         .map(|_| Worker::start(&args))
@@ -136,7 +160,7 @@ fn kill_run(store: &str, business: &mut dyn Business) -> Result<()> {
     })?;
     ensure!(dead == 0, "{dead} messages dead-lettered");
     println!(
-        "nats kills on {store}: {MESSAGES} messages published twice, {} consumers killed with SIGKILL, {rows} effects",
+        "nats kills on {store}, {mode}: {MESSAGES} messages published twice, {} consumers killed with SIGKILL, {rows} effects",
         killing::KILLS
     );
     runtime.block_on(async {

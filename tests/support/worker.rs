@@ -29,7 +29,7 @@
 //!     "reaped N". Forking skips compiling the component for every run.
 //! idem-test-worker rabbit-consume <queue> <db> <lease_ms>
 //!     consume a RabbitMQ queue through idem (see worker_rabbitmq.rs)
-//! idem-test-worker nats-consume <stream> <durable> <dlq-subject> <db> <lease_ms>
+//! idem-test-worker nats-consume <stream> <durable> <dlq-subject> <db> <lease_ms> single|shared
 //!     consume a JetStream durable consumer through idem (see worker_nats.rs)
 //! ```
 //! The parent kills `hold`, `crash`, `rabbit-consume` and `nats-consume`
@@ -185,12 +185,13 @@ fn main() -> Result<()> {
         }
         ["crash", db, now, seed] => crash(db, now.parse().context("now")?, seed.parse()?)?,
         ["crash-zygote"] => zygote()?,
-        ["nats-consume", stream, durable, dlq, db, lease_ms] => worker_nats::consume(
+        ["nats-consume", stream, durable, dlq, db, lease_ms, mode] => worker_nats::consume(
             stream,
             durable,
             dlq,
             db,
             lease_ms.parse().context("lease_ms")?,
+            mode,
         )?,
         ["rabbit-consume", queue, db, lease_ms] => {
             worker_rabbitmq::consume(queue, db, lease_ms.parse().context("lease_ms")?)?
@@ -199,7 +200,7 @@ fn main() -> Result<()> {
             "usage: idem-test-worker race <db> <keys> | hold <db> <key> <now> <mode> \
              | hold-pg <url> <schema> <key> <now> \
              | crash <db> <now> <seed> | crash-zygote | rabbit-consume <queue> <db> <lease_ms> \
-             | nats-consume <stream> <durable> <dlq-subject> <db> <lease_ms>"
+             | nats-consume <stream> <durable> <dlq-subject> <db> <lease_ms> single|shared"
         ),
     }
     Ok(())

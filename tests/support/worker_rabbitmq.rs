@@ -3,7 +3,8 @@
 //! through idem on `db` (a [`Business`]), writing each
 //! message's business effect (an `orders` row) in one transaction with
 //! its claim and its outcome, for every delivery that has arrived (up to
-//! [`BATCH`]: `run_batch_in_one_transaction`; the JetStream worker claims
+//! [`BATCH`]: `run_batch_in_one_transaction`; the JetStream worker does so
+//! too in its mode `shared`, and in its mode `single` claims
 //! first, `run_in_transaction`), slowly enough that a SIGKILL lands
 //! mid-batch. Prints "ready" once it consumes.
 
