@@ -8,7 +8,11 @@ package on one SQLite file.
    each way round: Rust -> Node and Python, Node -> Rust and Python, Python ->
    Rust and Node (a replay in a racer; an "executed 0" from the Rust worker,
    which only executes keys that are free).
-2. Three processes, one per language, race on `--keys` keys in one file:
+2. The three languages create the same schema: the files each one created
+   in (1) hold the same schema version and the same tables and indexes, with
+   the same SQL up to whitespace. The schema's text is written in each
+   language's store; this is what keeps the three copies one.
+3. Three processes, one per language, race on `--keys` keys in one file:
    every key is executed exactly once (one business row per key, the sum of
    the executions is the number of keys).
 
@@ -67,6 +71,24 @@ def rows(db):
         c.close()
 
 
+def schema(db):
+    """The idempotency store's schema in `db`: its version, and each table's
+    and index's SQL with whitespace collapsed (the business `orders` table
+    is the racers' own)."""
+    c = sqlite3.connect(db)
+    try:
+        version = c.execute("PRAGMA user_version").fetchone()[0]
+        objects = [
+            (kind, name, " ".join((sql or "").split()))
+            for kind, name, sql in c.execute(
+                "SELECT type, name, sql FROM sqlite_master "
+                "WHERE tbl_name = 'idempotency_record' ORDER BY type, name")
+        ]
+        return version, objects
+    finally:
+        c.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rust", required=True)
@@ -118,6 +140,21 @@ def main():
             if (total, distinct) != (n, n):
                 raise AssertionError(f"{total} business rows for {distinct} keys, expected {n}")
         check(f"keys completed by {first} are replayed by the two other languages", handoff)
+
+    def same_schema():
+        made = {first: schema(os.path.join(work, f"handoff-{first}.db")) for first in ("rust", "node", "python")}
+        version, objects = made["rust"]
+        if version < 1 or len(objects) < 2:
+            raise AssertionError(f"the Rust store made no schema: version {version}, {objects}")
+        for other in ("node", "python"):
+            if made[other] != made["rust"]:
+                theirs = dict(((k, n), q) for k, n, q in made[other][1])
+                ours = dict(((k, n), q) for k, n, q in objects)
+                differ = sorted(set(theirs.items()) ^ set(ours.items()))
+                raise AssertionError(
+                    f"{other}'s schema differs from Rust's: version {made[other][0]} against {version}; {differ}")
+        print(f"     schema version {version}: {len(objects)} tables and indexes, the same in the three files", flush=True)
+    check("rust, node and python create the same schema", same_schema)
 
     def race():
         db = os.path.join(work, "race.db")
