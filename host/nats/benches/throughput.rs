@@ -412,7 +412,10 @@ async fn measure_idem(
         }
     }));
     let (stop, stopped) = watch::channel(false);
-    let shared = Batcher::new(&consumer, args.consumers * args.in_flight, orders);
+    // Only the shared-batcher mode has one: an idle batcher's task would
+    // sit in the other modes' runtime.
+    let shared = matches!(mode, Mode::SharedBatch)
+        .then(|| Batcher::new(&consumer, args.consumers * args.in_flight, orders));
     let cpu = CpuMeter::start()?;
     let started = Instant::now();
     let runs: Vec<_> = (0..args.consumers)
@@ -443,7 +446,10 @@ async fn measure_idem(
                             .run_batch_blocking(usize::MAX, orders, shutdown)
                             .await
                     }
-                    Mode::SharedBatch => adapter.run_batched(shared, shutdown).await,
+                    Mode::SharedBatch => match shared {
+                        Some(shared) => adapter.run_batched(shared, shutdown).await,
+                        None => unreachable!("the shared-batcher mode builds its batcher"),
+                    },
                     Mode::Noop => {
                         adapter
                             .run(
