@@ -637,12 +637,14 @@ async fn with_group_commit_concurrent_first_requests_run_once_per_key() -> Resul
 /// request.
 #[test]
 fn the_axum_example_runs_once_per_key() -> Result<()> {
+    // Over the whole workspace, as `cargo test --workspace` builds it:
+    // after that, nothing compiles (with `-p idem-suite` cargo resolved
+    // other features and compiled much of the tree again).
     let run = escargot::CargoBuild::new()
         .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
-        .package("idem-suite")
         .example("axum_service")
         .current_release()
-        .arg("--locked")
+        .args(["--locked", "--workspace"])
         .run()
         .map_err(|e| anyhow::anyhow!("building the example failed: {e:#}"))?;
     let out = run.command().arg("--check").output()?;

@@ -17,7 +17,6 @@ mod serve;
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -39,38 +38,14 @@ const ARRIVAL: Duration = Duration::from_secs(10);
 /// that some really overlap.
 const DUPLICATES: usize = 8;
 
-/// The handler component, built once per test process for wasm32-wasip2
-/// with the guest profile, in a target directory of its own under the
-/// tests' temporary directory (so it never waits on the outer build).
-fn handler_wasm() -> Result<&'static Path> {
-    static WASM: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    WASM.get_or_init(|| {
-        let target_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("wasm-examples");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["build", "--locked", "-p", "order-handler"])
-            .args(["--target", "wasm32-wasip2", "--profile", "guest"])
-            .arg("--target-dir")
-            .arg(&target_dir)
-            .env_remove("CARGO_TARGET_DIR")
-            .env_remove("RUSTFLAGS")
-            .env_remove("CARGO_ENCODED_RUSTFLAGS")
-            .status()
-            .map_err(|e| format!("running cargo: {e}"))?;
-        if !status.success() {
-            return Err(format!("building order-handler failed: {status}"));
-        }
-        Ok(target_dir.join("wasm32-wasip2/guest/order_handler.wasm"))
-    })
-    .as_deref()
-    .map_err(|e| anyhow!("{e}"))
-}
+/// The handler component (`examples/order-handler`), built for
+/// wasm32-wasip2 with the guest profile by this package's build script.
+const HANDLER_WASM: &str = concat!(env!("OUT_DIR"), "/order_handler.wasm");
 
 /// `middleware` composed with the handler by `idem compose`, written once
 /// per test process to `name` under the tests' temporary directory.
 fn compose(middleware: Option<&Path>, name: &str) -> Result<PathBuf, String> {
-    let handler = handler_wasm().map_err(|e| format!("{e:#}"))?;
+    let handler = Path::new(HANDLER_WASM);
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let utf8 = |p: &Path| p.to_str().map(str::to_owned).ok_or("non-UTF-8 path");
     let mut args = vec![

@@ -29,15 +29,18 @@ const HTTP: Duration = Duration::from_secs(20);
 /// under `target/<triple>/` and would rebuild Wasmtime and the rest of the
 /// dependency tree a second time. Without it the binary is built for the
 /// host, which is what this test process runs on.
+///
+/// Built as `cargo build --workspace --examples --bin idem` (see
+/// [`WORKSPACE_BUILD`]): after `cargo test --workspace`, nothing compiles.
 pub fn idem_bin() -> Result<&'static Path> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BIN.get_or_init(|| {
         escargot::CargoBuild::new()
             .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
-            .package("idem")
             .bin("idem")
             .current_release()
-            .arg("--locked")
+            .args(WORKSPACE_BUILD)
+            .arg("--examples")
             .run()
             .map(|run| run.path().to_path_buf())
             .map_err(|e| format!("{e:#}"))
@@ -45,6 +48,14 @@ pub fn idem_bin() -> Result<&'static Path> {
     .as_deref()
     .map_err(|e| anyhow!("building the idem binary failed: {e}"))
 }
+
+/// The arguments that make a test's `cargo build` resolve features as
+/// `cargo test --workspace` (the README's test command) does, so that it
+/// finds every crate already built: the whole workspace, with targets that
+/// need the dev-dependencies (examples; the caller selects them). With
+/// `-p idem` alone cargo resolved other features for Wasmtime's
+/// dependencies and compiled Wasmtime and the host again, minutes of CI.
+pub const WORKSPACE_BUILD: [&str; 2] = ["--locked", "--workspace"];
 
 /// Collects a child's stderr on a thread, for diagnostics.
 struct StderrSink {
