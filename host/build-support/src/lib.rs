@@ -5,6 +5,8 @@
 //! anything is compiled for it; [`component`] builds a guest crate with a
 //! nested cargo and copies the component into `OUT_DIR`.
 
+#![warn(missing_docs)]
+
 pub mod component;
 pub mod target;
 
