@@ -18,6 +18,9 @@ use idem::{Engine, ManualClock, MemoryStore, SqliteStore, Storage};
 use tower::ServiceExt;
 use tower::util::BoxCloneSyncService;
 
+#[path = "support/build.rs"]
+mod build;
+
 /// The credentials every request sends unless a test says otherwise.
 const CLIENT: &str = "Bearer layer-tests";
 
@@ -638,13 +641,9 @@ async fn with_group_commit_concurrent_first_requests_run_once_per_key() -> Resul
 #[test]
 fn the_axum_example_runs_once_per_key() -> Result<()> {
     // Over the whole workspace, as `cargo test --workspace` builds it:
-    // after that, nothing compiles (with `-p idem-suite` cargo resolved
-    // other features and compiled much of the tree again).
-    let run = escargot::CargoBuild::new()
-        .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+    // after that, nothing compiles.
+    let run = build::workspace_build()
         .example("axum_service")
-        .current_release()
-        .args(["--locked", "--workspace"])
         .run()
         .map_err(|e| anyhow::anyhow!("building the example failed: {e:#}"))?;
     let out = run.command().arg("--check").output()?;

@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use ureq::http;
 
+#[path = "build.rs"]
+mod build;
+
 /// How long `idem serve` may take to print its listening line.
 const STARTUP: Duration = Duration::from_secs(60);
 /// How long a CLI command (`inspect`, `stats`, ...) may take.
@@ -31,15 +34,13 @@ const HTTP: Duration = Duration::from_secs(20);
 /// host, which is what this test process runs on.
 ///
 /// Built as `cargo build --workspace --examples --bin idem` (see
-/// [`WORKSPACE_BUILD`]): after `cargo test --workspace`, nothing compiles.
+/// [`build::workspace_build`]): after `cargo test --workspace`, nothing
+/// compiles.
 pub fn idem_bin() -> Result<&'static Path> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BIN.get_or_init(|| {
-        escargot::CargoBuild::new()
-            .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+        build::workspace_build()
             .bin("idem")
-            .current_release()
-            .args(WORKSPACE_BUILD)
             .arg("--examples")
             .run()
             .map(|run| run.path().to_path_buf())
@@ -48,14 +49,6 @@ pub fn idem_bin() -> Result<&'static Path> {
     .as_deref()
     .map_err(|e| anyhow!("building the idem binary failed: {e}"))
 }
-
-/// The arguments that make a test's `cargo build` resolve features as
-/// `cargo test --workspace` (the README's test command) does, so that it
-/// finds every crate already built: the whole workspace, with targets that
-/// need the dev-dependencies (examples; the caller selects them). With
-/// `-p idem` alone cargo resolved other features for Wasmtime's
-/// dependencies and compiled Wasmtime and the host again, minutes of CI.
-pub const WORKSPACE_BUILD: [&str; 2] = ["--locked", "--workspace"];
 
 /// Collects a child's stderr on a thread, for diagnostics.
 struct StderrSink {
