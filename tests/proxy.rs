@@ -16,9 +16,9 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use serve::{Req, Resp, Serve, TEST_CLIENT, idem, idem_ok};
+use serve::{Req, Resp, Serve, TEST_CLIENT, TestClock, idem, idem_ok};
 use upstream::{Upstream, refused_port};
-use world::{World, serve};
+use world::World;
 
 /// How long a test may wait for something to arrive.
 const ARRIVAL: Duration = Duration::from_secs(10);
@@ -1045,7 +1045,7 @@ fn connection_refused_is_502_and_retryable() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let db = dir.path().join("idem.db");
     let dead = format!("http://127.0.0.1:{}", refused_port()?);
-    let mut proxy = serve(&dead, &db, None)?;
+    let mut proxy = Serve::new(&dead, &db).start()?;
     for _ in 0..2 {
         let r = proxy.post("/orders").key("k").json(BODY).send()?;
         r.expect_problem(502, "upstream-unavailable")?;
@@ -1054,7 +1054,7 @@ fn connection_refused_is_502_and_retryable() -> Result<()> {
     proxy.kill()?;
     // The same database behind a live upstream: the key executes.
     let up = Upstream::start()?;
-    let proxy = serve(&up.url(), &db, None)?;
+    let proxy = Serve::new(&up.url(), &db).start()?;
     let first = proxy.post("/orders").key("k").json(BODY).send()?;
     expect_fresh(&first, 201)?;
     expect_replay_of(&proxy.post("/orders").key("k").json(BODY).send()?, &first)?;
@@ -1129,28 +1129,32 @@ fn kill_mid_request_with(config: impl Fn(&str) -> String) -> Result<World> {
     Ok(w)
 }
 
-/// Retries until the answer is no longer "in progress" (the lease is live
-/// until it expires on the system clock), at most 10 s.
+/// The lease of the tests that wait one out: far longer than a test runs,
+/// so only the test clock ends it.
+const LONG_LEASE_MS: u64 = 60_000;
+
+/// `[defaults]` with [`LONG_LEASE_MS`], then `rest`.
+fn long_lease(rest: &str) -> String {
+    format!("[defaults]\nlease_ms = {LONG_LEASE_MS}\n{rest}")
+}
+
+/// Retries the killed request: within the lease it is still "in progress";
+/// once the test clock has moved past the lease, the answer is whatever
+/// the policy makes of the abandoned attempt.
 fn retry_after_lease(w: &World) -> Result<Resp> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = w.proxy.post("/slow?ms=300").key("k").json(BODY).send()?;
-        let in_progress = r.status == 409
-            && r.json()?["type"]
-                .as_str()
-                .is_some_and(|t| t == serve::problem_type("request-in-progress"));
-        if !in_progress {
-            return Ok(r);
-        }
-        ensure!(Instant::now() < deadline, "the lease never expired");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    w.proxy
+        .post("/slow?ms=300")
+        .key("k")
+        .json(BODY)
+        .send()?
+        .expect_problem(409, "request-in-progress")?;
+    w.clock.advance(LONG_LEASE_MS + 1)?;
+    w.proxy.post("/slow?ms=300").key("k").json(BODY).send()
 }
 
 #[test]
 fn killed_mid_request_is_taken_over_after_the_lease() -> Result<()> {
-    let config = "[defaults]\nlease_ms = 1000\nexpired_lease = \"take-over\"\n";
-    let w = kill_mid_request(config)?;
+    let w = kill_mid_request(&long_lease("expired_lease = \"take-over\"\n"))?;
     let r = retry_after_lease(&w)?;
     expect_fresh(&r, 201)?;
     expect_total(&w.up, 2)?;
@@ -1167,10 +1171,9 @@ fn killed_mid_request_is_taken_over_after_the_lease() -> Result<()> {
 #[test]
 fn killed_mid_request_is_settled_from_the_lookup_after_a_restart() -> Result<()> {
     let w = kill_mid_request_with(|up| {
-        format!(
-            "[defaults]\nlease_ms = 1000\nexpired_lease = \"reconcile\"\n\
-             lookup = \"{up}/lookup/{{key}}\"\n"
-        )
+        long_lease(&format!(
+            "expired_lease = \"reconcile\"\nlookup = \"{up}/lookup/{{key}}\"\n"
+        ))
     })?;
     let r = retry_after_lease(&w)?;
     r.expect_status(200)?;
@@ -1188,8 +1191,7 @@ fn killed_mid_request_is_settled_from_the_lookup_after_a_restart() -> Result<()>
 
 #[test]
 fn killed_mid_request_waits_for_an_operator_under_manual() -> Result<()> {
-    let config = "[defaults]\nlease_ms = 1000\nexpired_lease = \"manual\"\n";
-    let w = kill_mid_request(config)?;
+    let w = kill_mid_request(&long_lease("expired_lease = \"manual\"\n"))?;
     let r = retry_after_lease(&w)?;
     r.expect_problem(409, "outcome-unknown")?;
     expect_total(&w.up, 1)
@@ -1365,23 +1367,21 @@ fn inspect_stats_and_reconcile_report_the_records() -> Result<()> {
 
 #[test]
 fn sweep_deletes_records_after_retention() -> Result<()> {
-    let config = format!("sweep_interval_ms = 0\n[defaults]\nretention_ms = 300\n{ORDER_ROUTE}");
+    let config = format!("sweep_interval_ms = 0\n[defaults]\nretention_ms = 60000\n{ORDER_ROUTE}");
     let w = World::start(Some(&config))?;
     let first = w.proxy.post("/orders").key("k").json(BODY).send()?;
     expect_fresh(&first, 201)?;
     let client = auth_scope(TEST_CLIENT);
     ensure!(inspect(&w, &client, "order.create", "k")?["status"] == "succeeded");
-    // Retention runs on the system clock: sweep until the record goes.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut deleted = 0;
-    while deleted == 0 {
-        ensure!(Instant::now() < deadline, "never swept");
-        let out = idem_ok(&["sweep", "--db", w.db(), "--json"])?.json()?;
-        deleted = out["deleted"].as_u64().context("deleted")?;
-        if deleted == 0 {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
+    let sweep = || -> Result<u64> {
+        let out = idem_ok(&[&["sweep", "--db", w.db(), "--json"][..], &w.clock.args()].concat())?;
+        out.json()?["deleted"].as_u64().context("deleted")
+    };
+    // Within retention the record stays; past it, the sweep deletes it.
+    ensure!(sweep()? == 0, "swept within retention");
+    expect_replay_of(&w.proxy.post("/orders").key("k").json(BODY).send()?, &first)?;
+    w.clock.advance(60_001)?;
+    let deleted = sweep()?;
     ensure!(deleted == 1, "deleted {deleted}");
     ensure!(inspect(&w, &client, "order.create", "k")?.is_null());
     // Gone: the key executes again.
@@ -1790,23 +1790,25 @@ fn hang_once(proxy: &serve::Proxy, path: &str, k: &str) -> Result<()> {
     Ok(())
 }
 
-/// Retries `path` with key `k` until the lease of the first attempt has
-/// ended on the system clock (the answer is no longer 409 "in progress" or
-/// 409 "outcome-unknown" within a lease), at most 10 s; returns that answer.
-fn retry_until_not_blocked(w: &World, path: &str, k: &str) -> Result<Resp> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = w.proxy.post(path).key(k).json(BODY).send()?;
-        if r.status != 409 {
-            return Ok(r);
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "{k}: still 409 after 10 s: {}",
-            r.text()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// Sends `path` with key `k`, whose outcome is unknown: 409, nothing run.
+fn expect_blocked(proxy: &serve::Proxy, path: &str, k: &str) -> Result<()> {
+    proxy
+        .post(path)
+        .key(k)
+        .json(BODY)
+        .send()?
+        .expect_problem(409, "outcome-unknown")?;
+    Ok(())
+}
+
+/// Retries `path` with key `k`: within the first attempt's lease the key
+/// is blocked (409); once the test clock has moved past the lease, returns
+/// the answer.
+fn retry_past_the_lease(w: &World, path: &str, k: &str) -> Result<Resp> {
+    let r = w.proxy.post(path).key(k).json(BODY).send()?;
+    ensure!(r.status == 409, "{k}: not blocked within the lease: {r:?}");
+    w.clock.advance(LONG_LEASE_MS + 1)?;
+    w.proxy.post(path).key(k).json(BODY).send()
 }
 
 /// Seed step 5 with a business lookup: an upstream timeout leaves the
@@ -1817,19 +1819,16 @@ fn retry_until_not_blocked(w: &World, path: &str, k: &str) -> Result<Resp> {
 fn an_unknown_outcome_is_settled_by_the_lookup_and_never_runs_twice() -> Result<()> {
     let w = World::start_with(|up| {
         format!(
-            "upstream_timeout_ms = 300\n[defaults]\nlease_ms = 1000\n\
-             outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup/{{key}}\"\n"
+            "upstream_timeout_ms = 300\n{}",
+            long_lease(&format!(
+                "outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup/{{key}}\"\n"
+            ))
         )
     })?;
     time_out(&w.proxy, "k")?;
     expect_total(&w.up, 1)?;
-    w.proxy
-        .post("/hang")
-        .key("k")
-        .json(BODY)
-        .send()?
-        .expect_problem(409, "outcome-unknown")?;
-    let r = retry_until_not_blocked(&w, "/hang", "k")?;
+    expect_blocked(&w.proxy, "/hang", "k")?;
+    let r = retry_past_the_lease(&w, "/hang", "k")?;
     r.expect_status(200)?;
     ensure!(r.replayed(), "the lookup's answer is replayed: {r:?}");
     ensure!(r.header("x-order-id") == Some("ord-1"), "{r:?}");
@@ -1848,21 +1847,23 @@ fn a_lookup_that_finds_nothing_lets_the_retry_run_once_and_one_that_cannot_tell_
 -> Result<()> {
     let w = World::start_with(|up| {
         format!(
-            "upstream_timeout_ms = 300\n[defaults]\nlease_ms = 1000\n\
-             outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup-none/{{key}}\"\n\
-             [[routes]]\npath = \"/down/*\"\nbiz_type = \"down\"\n\
-             lookup = \"{up}/lookup-down/{{key}}\"\n"
+            "upstream_timeout_ms = 300\n{}",
+            long_lease(&format!(
+                "outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup-none/{{key}}\"\n\
+                 [[routes]]\npath = \"/down/*\"\nbiz_type = \"down\"\n\
+                 lookup = \"{up}/lookup-down/{{key}}\"\n"
+            ))
         )
     })?;
     hang_once(&w.proxy, "/hang-once", "k")?;
-    let r = retry_until_not_blocked(&w, "/hang-once", "k")?;
+    let r = retry_past_the_lease(&w, "/hang-once", "k")?;
     expect_fresh(&r, 201)?;
     expect_runs(&w.up, "k", 2)?;
     expect_replay_of(&w.proxy.post("/hang-once").key("k").json(BODY).send()?, &r)?;
     expect_runs(&w.up, "k", 2)?;
 
     hang_once(&w.proxy, "/down/hang-once", "d")?;
-    let r = retry_until_not_blocked(&w, "/down/hang-once", "d")?;
+    let r = retry_past_the_lease(&w, "/down/hang-once", "d")?;
     r.expect_problem(503, "store-unavailable")?;
     for _ in 0..3 {
         w.proxy
@@ -1884,12 +1885,12 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
     let up_url = std::cell::RefCell::new(String::new());
     let w = World::start_with(|up| {
         *up_url.borrow_mut() = up.to_owned();
-        "upstream_timeout_ms = 300\n[defaults]\nlease_ms = 1000\n".to_owned()
+        format!("upstream_timeout_ms = 300\n{}", long_lease(""))
     })?;
     time_out(&w.proxy, "k")?;
     let dir = tempfile::tempdir()?;
     let without = dir.path().join("without.toml");
-    std::fs::write(&without, "[defaults]\nlease_ms = 1000\n")?;
+    std::fs::write(&without, long_lease(""))?;
     let refused = idem(&[
         "reconcile",
         "--db",
@@ -1906,23 +1907,13 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
     let with = dir.path().join("with.toml");
     std::fs::write(
         &with,
-        format!(
-            "[defaults]\nlease_ms = 1000\nlookup = \"{}/lookup/{{key}}\"\n",
+        long_lease(&format!(
+            "lookup = \"{}/lookup/{{key}}\"\n",
             up_url.borrow()
-        ),
+        )),
     )?;
-    // The key is examined once the lease of the attempt that reported it
-    // has ended (system clock); until then, and after it, "manual" answers
-    // 409.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let report = loop {
-        w.proxy
-            .post("/hang")
-            .key("k")
-            .json(BODY)
-            .send()?
-            .expect_problem(409, "outcome-unknown")?;
-        let report = idem_ok(&[
+    let reconcile = || -> Result<serde_json::Value> {
+        let args = [
             "reconcile",
             "--db",
             w.db(),
@@ -1931,13 +1922,15 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
             "--biz",
             "http",
             "--json",
-        ])?
-        .json()?;
-        if report["examined"] != 0 || Instant::now() > deadline {
-            break report;
-        }
-        std::thread::sleep(Duration::from_millis(200));
+        ];
+        idem_ok(&[&args[..], &w.clock.args()].concat())?.json()
     };
+    // The key is examined once the lease of the attempt that reported it
+    // has ended; until then, and after it, "manual" answers 409.
+    expect_blocked(&w.proxy, "/hang", "k")?;
+    w.clock.advance(LONG_LEASE_MS + 1)?;
+    expect_blocked(&w.proxy, "/hang", "k")?;
+    let report = reconcile()?;
     ensure!(
         report["succeeded"] == 1 && report["examined"] == 1,
         "{report}"
@@ -1959,16 +1952,20 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
 fn the_sweep_settles_stuck_keys_through_the_lookup_in_the_background() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let up = Upstream::start()?;
+    let clock = TestClock::new(dir.path())?;
     let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
         .admin()
+        .clock(&clock)
         .config(&format!(
-            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n\
-             [defaults]\nlease_ms = 500\nlookup = \"{}/lookup/{{key}}\"\n",
-            up.url()
+            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n{}",
+            long_lease(&format!("lookup = \"{}/lookup/{{key}}\"\n", up.url()))
         ))
         .start()?;
     let admin = proxy.admin.clone().context("admin")?;
     hang_once(&proxy, "/hang-once", "k")?;
+    expect_blocked(&proxy, "/hang-once", "k")?;
+    // Past the lease, the next sweep (every 50 ms) reconciles the key.
+    clock.advance(LONG_LEASE_MS + 1)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let metrics = ureq::get(&format!("{admin}/metrics"))
@@ -1996,14 +1993,18 @@ fn the_sweep_settles_stuck_keys_through_the_lookup_in_the_background() -> Result
 fn a_stuck_key_past_its_retention_is_reported_and_released() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let up = Upstream::start()?;
+    let clock = TestClock::new(dir.path())?;
     let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
         .admin()
-        .config(
-            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n\
-             [defaults]\nlease_ms = 500\nstuck_retention_ms = 1\n",
-        )
+        .clock(&clock)
+        .config(&format!(
+            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n{}",
+            long_lease("stuck_retention_ms = 1\n")
+        ))
         .start()?;
     hang_once(&proxy, "/hang-once", "k")?;
+    // Past the lease, the next sweep (every 50 ms) releases the key.
+    clock.advance(LONG_LEASE_MS + 1)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     let r = loop {
         let r = proxy.post("/hang-once").key("k").json(BODY).send()?;

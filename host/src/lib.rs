@@ -46,10 +46,11 @@ pub use idem_engine::{
     ActionResult, BatchErrors, BeginRequest, BodyKind, Busy, Clock, Completion, Decision,
     Disposition, Engine, EngineBuilder, Error, ExpiredLease, Extension, Failure, FailureMode,
     FaultKind, GuestBounds, InProgressMode, InputField, InputRule, InsertOutcome, InvalidInput,
-    KeyCharset, KeyFormat, KeyStatus, ManualClock, MemoryStore, MismatchInfo, PERF_MAP_VAR, Policy,
-    ReconcileReport, ReconcileTotals, Reconciler, RecordKey, Replayed, Resolution, ResultLookup,
-    RunOutcome, Savepoint, Settlement, Status, Storage, StoreError, StoredRecord, StoredResponse,
-    Success, SwapOutcome, SystemClock, Ticket, Timestamp, Transaction, UnknownInfo, WaitSpec,
+    KeyCharset, KeyFormat, KeyStatus, ManualClock, MemoryStore, MismatchInfo, OffsetFileClock,
+    PERF_MAP_VAR, Policy, ReconcileReport, ReconcileTotals, Reconciler, RecordKey, Replayed,
+    Resolution, ResultLookup, RunOutcome, Savepoint, Settlement, Status, Storage, StoreError,
+    StoredRecord, StoredResponse, Success, SwapOutcome, SystemClock, Ticket, Timestamp,
+    Transaction, UnknownInfo, WaitSpec,
 };
 pub use idem_engine::{api, bounds, clock, embed, engine, types};
 /// The HTTP idempotency layer (`idem-layer`).

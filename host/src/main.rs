@@ -35,8 +35,31 @@ struct Cli {
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
+    /// For tests only: read the time as the system clock plus the
+    /// milliseconds written in this file (one decimal number, read again at
+    /// every reading), so a test moves every idem process's time forward by
+    /// rewriting one file instead of waiting a lease out.
+    #[arg(long, global = true, value_name = "FILE", hide_short_help = true)]
+    clock_offset_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
+}
+
+impl Cli {
+    /// The clock every part of this command reads: the system clock, or
+    /// the one `--clock-offset-file` shifts.
+    fn clock(&self) -> Arc<dyn idem::Clock> {
+        match &self.clock_offset_file {
+            Some(path) => {
+                tracing::warn!(
+                    file = %path.display(),
+                    "the clock is shifted by --clock-offset-file: for tests only"
+                );
+                Arc::new(idem::OffsetFileClock::new(path))
+            }
+            None => Arc::new(idem::SystemClock::new()),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -158,23 +181,24 @@ fn main() -> Result<()> {
             workers,
         } => run_serve(&cli, config, listen, upstream, admin.as_deref(), *workers),
         Command::Inspect(args) => {
-            let engine = open(&cli, &config)?.engine(&config)?;
+            let engine = open(&cli, &config)?.engine(&config, cli.clock())?;
             let key = args.record_key()?;
             let status = engine.inspect(&key)?;
             print_inspect(cli.json, &key.scope, &args.biz, &args.key, status.as_ref())
         }
         Command::Stuck { biz, limit, after } => {
             let store = open(&cli, &config)?.shared();
-            operator::stuck(store.as_ref(), biz, after.as_deref(), *limit, cli.json)
+            let now = cli.clock().now();
+            operator::stuck(store.as_ref(), biz, now, after.as_deref(), *limit, cli.json)
         }
         Command::Settle(args) => {
-            let engine = open(&cli, &config)?.engine(&config)?;
+            let engine = open(&cli, &config)?.engine(&config, cli.clock())?;
             let policy = config.policy_for(&args.key.biz);
             operator::settle(&engine, &policy, args, cli.json)
         }
         Command::Sweep { limit } => {
             let db = open(&cli, &config)?;
-            let engine = db.engine(&config)?;
+            let engine = db.engine(&config, cli.clock())?;
             let batch = limit.unwrap_or(config.sweep_batch);
             if batch == 0 {
                 bail!("--limit must be at least 1");
@@ -187,7 +211,7 @@ fn main() -> Result<()> {
                 }
                 total += u64::from(deleted);
             }
-            let now = idem::clock::Clock::now(&idem::SystemClock::new());
+            let now = engine.clock().now();
             let released = idem::operator::expire_stuck_keys(
                 &engine,
                 db.shared().as_ref(),
@@ -217,7 +241,7 @@ fn main() -> Result<()> {
                     "biz type '{biz}' has no lookup (the `lookup` of its route in --config): nothing could tell whether its stuck keys took effect, so reconcile would change nothing; settle them with `idem settle`"
                 );
             }
-            let engine = open(&cli, &config)?.engine(&config)?;
+            let engine = open(&cli, &config)?.engine(&config, cli.clock())?;
             let policy = config.policy_for(biz);
             let report = engine.reconcile(biz, &policy, *limit)?;
             print_reconcile(cli.json, biz, &report)
@@ -285,9 +309,11 @@ enum Db {
 }
 
 impl Db {
-    /// An engine on this store, bounded as `config` says.
-    fn engine(&self, config: &ProxyConfig) -> Result<Engine> {
-        let mut builder = Engine::builder().bounds(config.guest_bounds()?);
+    /// An engine on this store, bounded as `config` says, reading `clock`.
+    fn engine(&self, config: &ProxyConfig, clock: Arc<dyn idem::Clock>) -> Result<Engine> {
+        let mut builder = Engine::builder()
+            .bounds(config.guest_bounds()?)
+            .clock(clock);
         if let Some(lookup) = idem::lookup::HttpLookup::from_config(config) {
             builder = builder.results(lookup);
         }
@@ -379,7 +405,7 @@ fn run_serve(
         journal.push("-outcomes");
         config.outcome_journal = Some(journal.into());
     }
-    let engine = db.engine(&config)?;
+    let engine = db.engine(&config, cli.clock())?;
     let store = db.shared();
     let mut proxy = Proxy::new(engine, store, config, upstream)?;
     let admin_token = std::env::var(ADMIN_TOKEN_VAR)
@@ -578,8 +604,7 @@ fn run_serve_component(
     let wasm =
         std::fs::read(component).with_context(|| format!("cannot read {}", component.display()))?;
     let store = open(cli, config)?.shared();
-    let clock: Arc<dyn idem::Clock> = Arc::new(idem::SystemClock::new());
-    let server = idem::middleware::ComponentServer::new(&wasm, store, clock, config)?;
+    let server = idem::middleware::ComponentServer::new(&wasm, store, cli.clock(), config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -11,9 +11,8 @@ use std::net::IpAddr;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use idem::clock::Clock;
 use idem::operator::{self, Client, SettleRequest};
-use idem::{Engine, RecordKey, Storage, SystemClock};
+use idem::{Engine, RecordKey, Storage, Timestamp};
 
 /// Who the key belongs to: exactly one of these.
 #[derive(Debug, Args)]
@@ -188,10 +187,11 @@ pub fn settle(engine: &Engine, policy: &idem::Policy, args: &SettleArgs, json: b
 }
 
 /// Runs `idem stuck`: the biz type's processing records whose lease has
-/// ended and its outcome-unknown records, oldest first.
+/// ended by `now` and its outcome-unknown records, oldest first.
 pub fn stuck(
     store: &dyn Storage,
     biz: &str,
+    now: Timestamp,
     after: Option<&str>,
     limit: u32,
     json: bool,
@@ -200,7 +200,7 @@ pub fn stuck(
         .map(str::parse)
         .transpose()
         .map_err(|e: String| anyhow::anyhow!("--after: {e}"))?;
-    let keys = operator::stuck(store, biz, SystemClock::new().now(), after, limit)?;
+    let keys = operator::stuck(store, biz, now, after, limit)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&keys)?);
         return Ok(());

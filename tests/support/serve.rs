@@ -143,6 +143,12 @@ impl Serve {
         self
     }
 
+    /// Passes `--clock-offset-file`: the proxy reads `clock`'s time.
+    pub fn clock(mut self, clock: &TestClock) -> Self {
+        self.extra.extend(clock.args().map(str::to_owned));
+        self
+    }
+
     /// Passes `--admin 127.0.0.1:0`.
     pub fn admin(mut self) -> Self {
         self.admin = true;
@@ -190,6 +196,45 @@ impl Serve {
             cmd.env("IDEM_ADMIN_TOKEN", token);
         }
         start(cmd, self.admin)
+    }
+}
+
+/// The time of a test's `idem` processes: the system clock plus the
+/// milliseconds in a file they all read (`--clock-offset-file`). The test
+/// moves it forward past a lease or a retention instead of waiting.
+pub struct TestClock {
+    path: String,
+}
+
+impl TestClock {
+    /// A clock with no offset yet, its file in `dir`.
+    pub fn new(dir: &Path) -> Result<Self> {
+        let path = dir.join("clock-offset-ms");
+        let path = path
+            .to_str()
+            .context("a temporary path that is not UTF-8")?;
+        Ok(Self {
+            path: path.to_owned(),
+        })
+    }
+
+    /// `--clock-offset-file FILE`, for an `idem` command line.
+    pub fn args(&self) -> [&str; 2] {
+        ["--clock-offset-file", &self.path]
+    }
+
+    /// Moves the time of every process reading this clock forward by `ms`.
+    /// The file is replaced atomically: a reader never sees half of it.
+    pub fn advance(&self, ms: u64) -> Result<()> {
+        let now = match std::fs::read_to_string(&self.path) {
+            Ok(text) => text.trim().parse::<u64>()?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(e.into()),
+        };
+        let next = format!("{}.next", self.path);
+        std::fs::write(&next, (now + ms).to_string())?;
+        std::fs::rename(&next, &self.path)?;
+        Ok(())
     }
 }
 

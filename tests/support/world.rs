@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
-use crate::serve::{Proxy, Serve};
+use crate::serve::{Proxy, Serve, TestClock};
 use crate::upstream::Upstream;
 
 /// Dropped in field order: the proxy is killed first, the directory
@@ -18,6 +18,9 @@ pub struct World {
     pub up: Upstream,
     /// The proxy's SQLite database file.
     pub db: PathBuf,
+    /// The time the proxy (and the test's `idem` commands that pass
+    /// `clock.args()`) read.
+    pub clock: TestClock,
     _dir: tempfile::TempDir,
 }
 
@@ -39,11 +42,13 @@ impl World {
         let dir = tempfile::tempdir()?;
         let db = dir.path().join("idem.db");
         let up = Upstream::start()?;
-        let proxy = serve(&up.url(), &db, config(&up.url()).as_deref())?;
+        let clock = TestClock::new(dir.path())?;
+        let proxy = serve(&up.url(), &db, &clock, config(&up.url()).as_deref())?;
         Ok(Self {
             proxy,
             up,
             db,
+            clock,
             _dir: dir,
         })
     }
@@ -52,14 +57,14 @@ impl World {
     #[allow(dead_code)] // Not every suite restarts its proxy.
     pub fn restart(&mut self, config: Option<&str>) -> Result<()> {
         self.proxy.kill()?;
-        self.proxy = serve(&self.up.url(), &self.db, config)?;
+        self.proxy = serve(&self.up.url(), &self.db, &self.clock, config)?;
         Ok(())
     }
 }
 
-/// Starts `idem serve` on `db` in front of `upstream`.
-pub fn serve(upstream: &str, db: &Path, config: Option<&str>) -> Result<Proxy> {
-    let mut s = Serve::new(upstream, db);
+/// Starts `idem serve` on `db` in front of `upstream`, reading `clock`.
+pub fn serve(upstream: &str, db: &Path, clock: &TestClock, config: Option<&str>) -> Result<Proxy> {
+    let mut s = Serve::new(upstream, db).clock(clock);
     if let Some(c) = config {
         s = s.config(c);
     }

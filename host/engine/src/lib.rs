@@ -50,7 +50,7 @@ pub use api::{
     UnknownInfo, WaitSpec,
 };
 pub use bounds::GuestBounds;
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, OffsetFileClock, SystemClock};
 pub use engine::{
     ActionResult, BatchErrors, Engine, EngineBuilder, Error, PERF_MAP_VAR, ResultLookup,
     RunOutcome, Savepoint, Transaction,

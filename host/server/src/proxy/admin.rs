@@ -12,7 +12,6 @@ use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde::Deserialize;
 use subtle::ConstantTimeEq;
 
-use idem_engine::clock::{Clock, SystemClock};
 use idem_engine::types::RecordKey;
 use idem_engine::{Error, StoreError};
 
@@ -177,7 +176,7 @@ async fn stuck(
         Ok(after) => after,
         Err(message) => return refusal(StatusCode::BAD_REQUEST, "after", message),
     };
-    let now = SystemClock::new().now();
+    let now = admin.inner.engine.clock().now();
     match blocking(move || Ok(operator::stuck(store.as_ref(), &q.biz, now, after, limit)?)).await {
         Ok(keys) => Json(keys).into_response(),
         Err(refused) => refused,

@@ -255,9 +255,10 @@ impl Proxy {
     /// The store's.
     pub async fn count_stuck(&self) -> Result<(u64, u64), Error> {
         let store = self.inner.store.clone();
+        let engine = self.layer.engine().clone();
         let biz_types = self.layer.biz_types();
         let counted = tokio::task::spawn_blocking(move || -> Result<(u64, u64), Error> {
-            let now = idem_engine::clock::Clock::now(&idem_engine::SystemClock::new());
+            let now = engine.clock().now();
             let (mut processing, mut unknown) = (0, 0);
             for biz_type in &biz_types {
                 for key in
@@ -327,7 +328,7 @@ impl Proxy {
         let engine = self.layer.engine().clone();
         let store = self.inner.store.clone();
         let released = tokio::task::spawn_blocking(move || -> Result<u64, Error> {
-            let now = idem_engine::clock::Clock::now(&idem_engine::SystemClock::new());
+            let now = engine.clock().now();
             let expired = crate::operator::expire_stuck_keys(
                 &engine,
                 store.as_ref(),
