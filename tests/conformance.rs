@@ -763,17 +763,30 @@ fn outcome_unknown_is_reconciled(h: &Harness) -> Result<()> {
             outcome_unknown: mode,
             ..policy()
         };
+        let mut lease_until = 0;
         for k in [found, missing] {
             let t = abandon(h, k, &p)?;
             h.engine
                 .fail(&t, &p, &failure("timeout"), Disposition::OutcomeUnknown)?;
+            lease_until = lease_until.max(t.lease_until);
         }
         h.results.insert(&key(found), "order-5");
-        // No lease to wait for: an unknown outcome is examined at once.
+        // Within the reporting owner's lease the action may still land:
+        // nothing is examined, and the key stays blocked.
+        h.clock.set(lease_until - 1);
+        let r = h.engine.reconcile("order.create", &p, 10)?;
+        ensure!(
+            r.examined == 0,
+            "{mode:?}: examined within the lease: {r:?}"
+        );
+        ensure!(status_of(h, found)? == Some(Status::OutcomeUnknown));
+        let req = BeginRequest::json(key(missing), "{}", p.clone());
+        ensure!(matches!(h.engine.begin(&req)?, Decision::OutcomeUnknown(_)));
+        // Once it has ended, both are examined.
+        h.clock.set(lease_until);
         let r = h.engine.reconcile("order.create", &p, 10)?;
         ensure!(r.examined == 2 && r.succeeded == 1, "{mode:?}: {r:?}");
         ensure!(status_of(h, found)? == Some(Status::Succeeded));
-        let req = BeginRequest::json(key(missing), "{}", p.clone());
         if mode == ExpiredLease::Manual {
             ensure!(r.left_for_manual == 1 && r.released == 0, "{r:?}");
             ensure!(status_of(h, missing)? == Some(Status::OutcomeUnknown));
@@ -783,6 +796,9 @@ fn outcome_unknown_is_reconciled(h: &Harness) -> Result<()> {
             ensure!(status_of(h, missing)? == Some(Status::Released));
             let t = execute(h, &req)?;
             ensure!(t.attempt == 2, "{t:?}");
+            // Settled, so that the next round's reconcile leaves it alone.
+            let done = h.engine.complete(&t, &p, &Success::with_ref("order-6"))?;
+            ensure!(done == Completion::Recorded(Status::Succeeded), "{done:?}");
         }
     }
     Ok(())

@@ -1928,6 +1928,11 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
     // The key is examined once the lease of the attempt that reported it
     // has ended; until then, and after it, "manual" answers 409.
     expect_blocked(&w.proxy, "/hang", "k")?;
+    let report = reconcile()?;
+    ensure!(
+        report["examined"] == 0,
+        "examined within the lease: {report}"
+    );
     w.clock.advance(LONG_LEASE_MS + 1)?;
     expect_blocked(&w.proxy, "/hang", "k")?;
     let report = reconcile()?;

@@ -897,6 +897,14 @@ pub fn reconcile(
                 "list-stale returned a record that is not stale",
             ));
         }
+        // An unknown outcome whose reporting owner's lease still runs is
+        // not examined yet: the action may still be landing, so a lookup
+        // that finds nothing now proves nothing, and releasing the key
+        // would let a retry run the action a second time. `begin` keeps
+        // the key blocked for that lease too.
+        if rec.status == Status::OutcomeUnknown && lease_live(&rec, now) {
+            continue;
+        }
         report.examined += 1;
         // Take the key over first, so that no other reconciler or request
         // acts on it while the host is asked.

@@ -895,6 +895,46 @@ fn reconcile_settles_each_stale_record_by_the_policy_for_its_status() {
 }
 
 #[test]
+fn reconcile_waits_out_the_lease_of_an_unknown_outcome() {
+    // Under take-over a result that is not found releases the key; within
+    // the reporting owner's lease that would let a retry run while the
+    // first attempt may still land, so reconcile leaves the key alone,
+    // asks nothing, and counts nothing until the lease ends.
+    let p = Policy {
+        outcome_unknown: ExpiredLease::TakeOver,
+        ..policy()
+    };
+    let env = Fake::new();
+    let k = key("unknown");
+    let t = start(&env, &k, &p);
+    fail(
+        &env,
+        &t,
+        &p,
+        &failure("timeout"),
+        Disposition::OutcomeUnknown,
+    )
+    .expect("the outcome-unknown report is stored");
+    let before = env.record(&k).expect("stored");
+    env.set_time(t.lease_until - 1);
+    env.clear_calls();
+    let r = reconcile(&env, BIZ, &p, 10).expect("reconcile");
+    assert_eq!(r, empty_report(), "examined within the lease");
+    assert_eq!(env.count(Op::FindResult), 0, "the lookup was asked");
+    assert_eq!(env.record(&k), Some(before), "the record changed");
+    assert!(matches!(
+        decide(&env, &k, 1, &p),
+        Decision::OutcomeUnknown(_)
+    ));
+    env.set_time(t.lease_until);
+    let r = reconcile(&env, BIZ, &p, 10).expect("reconcile");
+    assert_eq!((r.examined, r.released), (1, 1), "{r:?}");
+    assert_eq!(env.count(Op::FindResult), 1);
+    let again = executed(decide(&env, &k, 1, &p));
+    assert_eq!(again.attempt, 2);
+}
+
+#[test]
 fn an_unknown_outcome_without_a_lease_is_blocked_for_good() {
     let env = Fake::new();
     let p = policy();
