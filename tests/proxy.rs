@@ -1992,6 +1992,45 @@ fn the_sweep_settles_stuck_keys_through_the_lookup_in_the_background() -> Result
     expect_runs(&up, "k", 1)
 }
 
+/// An unknown outcome is stuck only from the end of the lease of the
+/// attempt that reported it (until then the action may still land): `idem
+/// stuck` lists it as stuck for 0 s, and `idem sweep` leaves it alone
+/// whatever `stuck_retention_ms` says; past the lease and the retention,
+/// the sweep releases it and the next request runs again.
+#[test]
+fn a_stuck_key_is_released_only_past_its_lease_and_its_retention() -> Result<()> {
+    let config = format!(
+        "upstream_timeout_ms = 300\nsweep_interval_ms = 0\n{}",
+        long_lease("stuck_retention_ms = 1000\n")
+    );
+    let w = World::start(Some(&config))?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("sweep.toml");
+    std::fs::write(&path, &config)?;
+    let path = path.to_str().context("utf-8")?;
+    let idem_json = |args: &[&str]| -> Result<serde_json::Value> {
+        let common = ["--db", w.db(), "--config", path, "--json"];
+        idem_ok(&[args, &common[..], &w.clock.args()].concat())?.json()
+    };
+    hang_once(&w.proxy, "/hang-once", "k")?;
+    // Well inside the lease (the real time the test takes is the margin).
+    w.clock.advance(LONG_LEASE_MS - 10_000)?;
+    let listed = idem_json(&["stuck", "--biz", "http"])?;
+    ensure!(
+        listed[0]["key"] == "k" && listed[0]["stuck_ms"] == 0,
+        "{listed}"
+    );
+    let swept = idem_json(&["sweep"])?;
+    ensure!(swept["stuck_released"] == serde_json::json!([]), "{swept}");
+    expect_blocked(&w.proxy, "/hang-once", "k")?;
+    // Past the lease, and the retention after it.
+    w.clock.advance(10_000 + 1_000 + 1)?;
+    let swept = idem_json(&["sweep"])?;
+    ensure!(swept["stuck_released"][0]["key"] == "k", "{swept}");
+    expect_fresh(&w.proxy.post("/hang-once").key("k").json(BODY).send()?, 201)?;
+    expect_runs(&w.up, "k", 2)
+}
+
 /// A stuck key is bounded: past `stuck_retention_ms` the sweep logs it
 /// (naming the key) and releases it, and the next request runs again.
 #[test]

@@ -15,9 +15,7 @@ use idem_engine::StoreError;
 use idem_engine::api::{Policy, Resolution, Settlement};
 use idem_engine::engine::{Engine, Error};
 use idem_engine::store::{StaleCursor, Storage};
-use idem_engine::types::{
-    Failure, RecordKey, Status, StoredRecord, StoredResponse, Success, Timestamp,
-};
+use idem_engine::types::{Failure, RecordKey, StoredRecord, StoredResponse, Success, Timestamp};
 use idem_layer::config::{AnonymousMode, ProxyConfig};
 
 /// The header name under which a scope header's value is offered to the
@@ -118,8 +116,10 @@ pub struct StuckKey {
     pub key: String,
     /// `processing` (its owner's lease is over) or `outcome-unknown`.
     pub status: &'static str,
-    /// When it became stuck: its lease's end, or the report of its
-    /// unknown outcome (ms since the Unix epoch).
+    /// When it became stuck (ms since the Unix epoch): the end of the
+    /// lease of its owner (crashed) or of the owner that reported its
+    /// unknown outcome (until then the action may still land, and the key
+    /// counts as stuck for 0 ms), or, with no lease, its last update.
     pub stuck_since: Timestamp,
     /// For how long, at the time of listing.
     pub stuck_ms: u64,
@@ -136,10 +136,7 @@ pub struct StuckKey {
 
 impl StuckKey {
     fn of(r: &StoredRecord, now: Timestamp) -> Self {
-        let since = match r.status {
-            Status::Processing => r.lease_until.unwrap_or(r.updated_at),
-            _ => r.updated_at,
-        };
+        let since = r.lease_until.unwrap_or(r.updated_at);
         Self {
             scope: r.key.scope.clone(),
             biz_type: r.key.biz_type.clone(),
