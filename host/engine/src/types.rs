@@ -157,7 +157,9 @@ pub struct StoredRecord {
     pub revision: u64,
     /// How many times an owner has been granted this key.
     pub attempts: u32,
-    /// While processing: when the owner's lease ends.
+    /// While processing: when the owner's lease ends. An outcome-unknown
+    /// record keeps the lease of the owner that reported it: until then
+    /// nothing may run, and `reconcile` leaves it alone.
     pub lease_until: Option<Timestamp>,
     /// When the record was first created.
     pub created_at: Timestamp,
