@@ -29,6 +29,13 @@ impl World {
     fn db(&self) -> &str {
         self.db.to_str().expect("utf-8 temp path")
     }
+
+    /// `idem ARGS... --db DB --json` on this world's database and clock:
+    /// the command's JSON output.
+    fn idem_json(&self, args: &[&str]) -> Result<serde_json::Value> {
+        let common = ["--db", self.db(), "--json"];
+        idem_ok(&[args, &common[..], &self.clock.args()].concat())?.json()
+    }
 }
 
 /// A first answer: executed, not replayed.
@@ -1374,8 +1381,9 @@ fn sweep_deletes_records_after_retention() -> Result<()> {
     let client = auth_scope(TEST_CLIENT);
     ensure!(inspect(&w, &client, "order.create", "k")?["status"] == "succeeded");
     let sweep = || -> Result<u64> {
-        let out = idem_ok(&[&["sweep", "--db", w.db(), "--json"][..], &w.clock.args()].concat())?;
-        out.json()?["deleted"].as_u64().context("deleted")
+        w.idem_json(&["sweep"])?["deleted"]
+            .as_u64()
+            .context("deleted")
     };
     // Within retention the record stays; past it, the sweep deletes it.
     ensure!(sweep()? == 0, "swept within retention");
@@ -1912,19 +1920,8 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
             up_url.borrow()
         )),
     )?;
-    let reconcile = || -> Result<serde_json::Value> {
-        let args = [
-            "reconcile",
-            "--db",
-            w.db(),
-            "--config",
-            with.to_str().context("utf-8")?,
-            "--biz",
-            "http",
-            "--json",
-        ];
-        idem_ok(&[&args[..], &w.clock.args()].concat())?.json()
-    };
+    let with = with.to_str().context("utf-8")?;
+    let reconcile = || w.idem_json(&["reconcile", "--config", with, "--biz", "http"]);
     // The key is examined once the lease of the attempt that reported it
     // has ended; until then, and after it, "manual" answers 409.
     expect_blocked(&w.proxy, "/hang", "k")?;
@@ -2008,24 +2005,20 @@ fn a_stuck_key_is_released_only_past_its_lease_and_its_retention() -> Result<()>
     let path = dir.path().join("sweep.toml");
     std::fs::write(&path, &config)?;
     let path = path.to_str().context("utf-8")?;
-    let idem_json = |args: &[&str]| -> Result<serde_json::Value> {
-        let common = ["--db", w.db(), "--config", path, "--json"];
-        idem_ok(&[args, &common[..], &w.clock.args()].concat())?.json()
-    };
     hang_once(&w.proxy, "/hang-once", "k")?;
     // Well inside the lease (the real time the test takes is the margin).
     w.clock.advance(LONG_LEASE_MS - 10_000)?;
-    let listed = idem_json(&["stuck", "--biz", "http"])?;
+    let listed = w.idem_json(&["stuck", "--biz", "http", "--config", path])?;
     ensure!(
         listed[0]["key"] == "k" && listed[0]["stuck_ms"] == 0,
         "{listed}"
     );
-    let swept = idem_json(&["sweep"])?;
+    let swept = w.idem_json(&["sweep", "--config", path])?;
     ensure!(swept["stuck_released"] == serde_json::json!([]), "{swept}");
     expect_blocked(&w.proxy, "/hang-once", "k")?;
     // Past the lease, and the retention after it.
     w.clock.advance(10_000 + 1_000 + 1)?;
-    let swept = idem_json(&["sweep"])?;
+    let swept = w.idem_json(&["sweep", "--config", path])?;
     ensure!(swept["stuck_released"][0]["key"] == "k", "{swept}");
     expect_fresh(&w.proxy.post("/hang-once").key("k").json(BODY).send()?, 201)?;
     expect_runs(&w.up, "k", 2)

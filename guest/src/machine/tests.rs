@@ -905,16 +905,7 @@ fn reconcile_waits_out_the_lease_of_an_unknown_outcome() {
         ..policy()
     };
     let env = Fake::new();
-    let k = key("unknown");
-    let t = start(&env, &k, &p);
-    fail(
-        &env,
-        &t,
-        &p,
-        &failure("timeout"),
-        Disposition::OutcomeUnknown,
-    )
-    .expect("the outcome-unknown report is stored");
+    let (k, t) = settled_in(&env, Status::OutcomeUnknown, &p);
     let before = env.record(&k).expect("stored");
     env.set_time(t.lease_until - 1);
     env.clear_calls();

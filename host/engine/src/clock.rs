@@ -1,6 +1,6 @@
 //! The time the engine sees: the system clock, or a manual one for tests.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -40,7 +40,7 @@ impl Clock for SystemClock {
     }
 
     fn pause(&self, duration_ms: u64) {
-        sleep_ms(duration_ms);
+        std::thread::sleep(Duration::from_millis(duration_ms));
     }
 }
 
@@ -93,11 +93,6 @@ impl OffsetFileClock {
         }
     }
 
-    /// The file the offset is read from.
-    pub fn path(&self) -> &Path {
-        &self.shared.path
-    }
-
     /// The offset in milliseconds, as the file says now.
     pub fn offset(&self) -> u64 {
         let s = &self.shared;
@@ -127,12 +122,8 @@ impl Clock for OffsetFileClock {
     }
 
     fn pause(&self, duration_ms: u64) {
-        sleep_ms(duration_ms);
+        self.shared.system.pause(duration_ms);
     }
-}
-
-fn sleep_ms(duration_ms: u64) {
-    std::thread::sleep(Duration::from_millis(duration_ms));
 }
 
 /// A clock that moves only when told to: tests inject it instead of
