@@ -592,7 +592,15 @@ fn an_operator_settles_stuck_keys_and_only_those(h: &Harness) -> Result<()> {
     let unknown_req = request("unknown", "{}");
     let unknown = unknown_outcome(h, &unknown_req)?;
     let live = abandon(h, "live", &p)?;
-    h.clock.set(crashed.lease_until);
+    // Within the lease of the attempt that reported it, the unknown
+    // outcome's action may still land: no release yet.
+    h.clock.set(unknown.lease_until - 1);
+    ensure!(
+        h.engine
+            .settle(&key("unknown"), &p, &Resolution::Released)?
+            == Settlement::NotStuck
+    );
+    h.clock.set(crashed.lease_until.max(unknown.lease_until));
     // `live` was claimed at the same time, so extend it first.
     ensure!(matches!(
         h.engine.extend(&live, &p)?,

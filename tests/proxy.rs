@@ -1444,7 +1444,10 @@ fn an_answer_the_database_could_not_take_survives_sigkill_and_is_replayed() -> R
 /// or, once released, runs the request again.
 #[test]
 fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
-    let w = World::start(Some("upstream_timeout_ms = 300\n"))?;
+    let w = World::start(Some(&format!(
+        "upstream_timeout_ms = 300\n{}",
+        long_lease("")
+    )))?;
     for k in ["paid", "not-paid"] {
         time_out(&w.proxy, k)?;
     }
@@ -1543,14 +1546,27 @@ fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
         replay.header("idempotent-replayed") == Some("true"),
         "{replay:?}"
     );
-    // "not-paid" did not: released, the retry runs once more.
-    idem_ok(
-        &[
-            &["settle", "--db", w.db(), "--key", "not-paid", "--release"][..],
-            &who[..],
-        ]
-        .concat(),
-    )?;
+    // "not-paid" did not. Its action may still land while the lease of
+    // the attempt that timed out lasts, so a release waits for its end:
+    // refused by name, nothing changed, the key still blocked.
+    let release = [
+        &["settle", "--db", w.db(), "--key", "not-paid", "--release"][..],
+        &who[..],
+        &w.clock.args(),
+    ]
+    .concat();
+    let early = idem(&release)?;
+    ensure!(
+        !early.status.success()
+            && early.stdout.contains("not stuck yet")
+            && early.stdout.contains("--succeeded"),
+        "{early:?}"
+    );
+    expect_blocked(&w.proxy, "/hang", "not-paid")?;
+    expect_total(&w.up, 2)?;
+    // Past the lease: released, the retry runs once more.
+    w.clock.advance(LONG_LEASE_MS + 1)?;
+    idem_ok(&release)?;
     w.proxy
         .post("/hang")
         .key("not-paid")
@@ -1674,6 +1690,19 @@ fn the_admin_operator_endpoints_need_the_token_and_settle_stuck_keys() -> Result
             .json(&body.to_string())
             .send()
     };
+    // Within the lease of the attempt that timed out, its action may
+    // still land: a release is refused, with the lease's end.
+    let early = settle(serde_json::json!({
+        "biz": "http", "key": "k", "auth": TEST_CLIENT, "as": "released",
+    }))?;
+    ensure!(early.status == 409, "{early:?}");
+    let early = early.json()?;
+    ensure!(
+        early["settlement"] == "not-stuck"
+            && early["status"] == "outcome-unknown"
+            && early["lease_until"].is_u64(),
+        "{early}"
+    );
     let request = serde_json::json!({
         "biz": "http", "key": "k", "auth": TEST_CLIENT, "as": "succeeded",
         "status": 201, "headers": [["content-type", "application/json"]],
@@ -1739,8 +1768,13 @@ fn stuck_keys_are_counted_on_the_metrics_until_settled() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let db = dir.path().join("idem.db");
     let up = Upstream::start()?;
+    let clock = TestClock::new(dir.path())?;
     let proxy = Serve::new(&up.url(), &db)
-        .config("upstream_timeout_ms = 300\nsweep_interval_ms = 20\n")
+        .config(&format!(
+            "upstream_timeout_ms = 300\nsweep_interval_ms = 20\n{}",
+            long_lease("")
+        ))
+        .clock(&clock)
         .admin()
         .start()?;
     let admin = proxy.admin.clone().context("admin url")?;
@@ -1759,18 +1793,26 @@ fn stuck_keys_are_counted_on_the_metrics_until_settled() -> Result<()> {
     wait_for(&metric(0))?;
     time_out(&proxy, "k")?;
     wait_for(&metric(1))?;
-    idem_ok(&[
-        "settle",
-        "--db",
-        db.to_str().context("path")?,
-        "--auth",
-        TEST_CLIENT,
-        "--biz",
-        "http",
-        "--key",
-        "k",
-        "--release",
-    ])?;
+    // Released once the lease of the attempt that timed out has ended.
+    clock.advance(LONG_LEASE_MS + 1)?;
+    idem_ok(
+        &[
+            &[
+                "settle",
+                "--db",
+                db.to_str().context("path")?,
+                "--auth",
+                TEST_CLIENT,
+                "--biz",
+                "http",
+                "--key",
+                "k",
+                "--release",
+            ][..],
+            &clock.args(),
+        ]
+        .concat(),
+    )?;
     wait_for(&metric(0))
 }
 

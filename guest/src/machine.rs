@@ -801,7 +801,12 @@ pub fn settle_stuck(
         }
         let stuck = match rec.status {
             Status::Processing => !lease_live(&rec, now),
-            Status::OutcomeUnknown => true,
+            // The action may still land while the reporting owner's lease
+            // lasts: recording what it came to runs nothing again, but a
+            // release would let the next request run it a second time.
+            Status::OutcomeUnknown => {
+                !(matches!(resolution, Resolution::Released) && lease_live(&rec, now))
+            }
             _ => false,
         };
         if !stuck {

@@ -173,6 +173,11 @@ pub fn settle(engine: &Engine, policy: &idem::Policy, args: &SettleArgs, json: b
             "no record (or only an expired one) for key '{}' in scope '{}'",
             report.key, report.scope
         );
+    } else if let (Some("outcome-unknown"), Some(until)) = (report.status, report.lease_until) {
+        println!(
+            "key '{}' is not stuck yet: its outcome is unknown and its action may still land until the lease of the attempt that reported it ends ({until} ms since the epoch); release it after that, or settle it now with --succeeded or --failed: nothing changed",
+            report.key
+        );
     } else {
         println!(
             "key '{}' is not stuck (in progress under a live lease, or settled): nothing changed",

@@ -3493,8 +3493,10 @@ fn settle_decides_a_stuck_key_and_fences_off_its_owner() {
         ] {
             let env = Fake::new();
             let (k, t) = settled_in(&env, status, &p);
-            if status == Status::Processing {
-                // Stuck only once the owner's lease is over.
+            // A crashed owner's key is stuck once its lease is over; an
+            // unknown outcome is released only then (see
+            // `settle_never_releases_an_unknown_outcome_within_its_lease`).
+            if status == Status::Processing || resolution == Resolution::Released {
                 assert_eq!(
                     settle_stuck(&env, &k, &p, &resolution),
                     Ok(Settlement::NotStuck)
@@ -3533,6 +3535,53 @@ fn settle_decides_a_stuck_key_and_fences_off_its_owner() {
             );
         }
     }
+}
+
+#[test]
+fn settle_never_releases_an_unknown_outcome_within_its_lease() {
+    // The action of an unknown outcome may still land while the reporting
+    // owner's lease lasts. An operator who knows what it came to may record
+    // that at once; a release, which lets the next request run the action
+    // again, waits for the lease's end, as `begin` and `reconcile` do.
+    let p = policy();
+    let env = Fake::new();
+    let (k, t) = settled_in(&env, Status::OutcomeUnknown, &p);
+    let known_env = Fake::new();
+    let (known, _) = settled_in(&known_env, Status::OutcomeUnknown, &p);
+    env.set_time(t.lease_until - 1);
+    known_env.set_time(t.lease_until - 1);
+    let before = env.record(&k).expect("stored");
+    assert_eq!(
+        settle_stuck(&env, &k, &p, &Resolution::Released),
+        Ok(Settlement::NotStuck)
+    );
+    assert_eq!(env.record(&k), Some(before), "the record changed");
+    assert!(matches!(
+        decide(&env, &k, 1, &p),
+        Decision::OutcomeUnknown(_)
+    ));
+    // What the action came to may be recorded within the lease.
+    let s = Success {
+        result_ref: Some("order-7".into()),
+        response: None,
+    };
+    assert_eq!(
+        settle_stuck(&known_env, &known, &p, &Resolution::Succeeded(s)),
+        Ok(Settlement::Settled)
+    );
+    assert!(matches!(
+        decide(&known_env, &known, 1, &p),
+        Decision::Replay(_)
+    ));
+    // At the lease's end the release goes through, and the next request
+    // executes under the next fencing token.
+    env.set_time(t.lease_until);
+    assert_eq!(
+        settle_stuck(&env, &k, &p, &Resolution::Released),
+        Ok(Settlement::Settled)
+    );
+    let next = executed(decide(&env, &k, 1, &p));
+    assert_eq!(next.fencing_token, t.fencing_token + 2);
 }
 
 // ---------------------------------------------------------------------------

@@ -306,6 +306,10 @@ pub struct SettleReport {
     pub key: String,
     /// The key's status afterwards; none without a record.
     pub status: Option<&'static str>,
+    /// The key's lease afterwards, in milliseconds since the Unix epoch:
+    /// an owner's while processing, the reporting attempt's while the
+    /// outcome is unknown (a release waits for its end).
+    pub lease_until: Option<Timestamp>,
 }
 
 impl SettleReport {
@@ -329,13 +333,14 @@ pub fn settle(
     resolution: &Resolution,
 ) -> Result<SettleReport, Error> {
     let settlement = engine.settle(&key, policy, resolution)?;
-    let status = engine.inspect(&key)?.map(|s| s.status.as_str());
+    let after = engine.inspect(&key)?;
     Ok(SettleReport {
         settlement: settlement_name(settlement),
         scope: key.scope,
         biz_type: key.biz_type,
         key: key.idem_key,
-        status,
+        status: after.as_ref().map(|s| s.status.as_str()),
+        lease_until: after.and_then(|s| s.lease_until),
     })
 }
 
