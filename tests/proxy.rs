@@ -1819,17 +1819,12 @@ fn stuck_keys_are_counted_on_the_metrics_until_settled() -> Result<()> {
 /// Leaves key `k` outcome-unknown: its request times out at the upstream
 /// (`upstream_timeout_ms` below the `/hang` endpoint's wait).
 fn time_out(proxy: &serve::Proxy, k: &str) -> Result<()> {
-    proxy
-        .post("/hang")
-        .key(k)
-        .json(BODY)
-        .send()?
-        .expect_problem(504, "outcome-unknown")?;
-    Ok(())
+    hang_once(proxy, "/hang", k)
 }
 
-/// Sends `path` (an upstream path that hangs on a key's first execution)
-/// with key `k`: the upstream timeout leaves its outcome unknown (504).
+/// Sends `path` (an upstream path that hangs: `/hang` always, `/hang-once`
+/// on a key's first execution) with key `k`: the upstream timeout leaves
+/// its outcome unknown (504).
 fn hang_once(proxy: &serve::Proxy, path: &str, k: &str) -> Result<()> {
     proxy
         .post(path)
