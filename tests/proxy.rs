@@ -1461,6 +1461,25 @@ fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
         .collect();
     ensure!(keys.len() == 2 && keys.contains(&"paid"), "{stuck}");
     ensure!(stuck[0]["status"] == "outcome-unknown", "{stuck}");
+    // The listing says when each may be released: after the lease of the
+    // attempt that timed out.
+    let text = idem_ok(
+        &[
+            &["stuck", "--db", w.db(), "--biz", "http"][..],
+            &w.clock.args(),
+        ]
+        .concat(),
+    )?;
+    let waits: Vec<u64> = text
+        .stdout
+        .split("release no sooner than in ")
+        .skip(1)
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .collect();
+    ensure!(
+        waits.len() == 2 && waits.iter().all(|s| (50..=60).contains(s)),
+        "{text:?}"
+    );
     // Paging: one key a page, each page after the last key's cursor.
     let mut paged = Vec::new();
     let mut after: Option<String> = None;

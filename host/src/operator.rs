@@ -214,8 +214,19 @@ pub fn stuck(
         println!("no stuck keys of biz type '{biz}'");
     }
     for k in &keys {
+        // An unknown outcome within the lease of the attempt that reported
+        // it: its action may still land, so it may not be released yet.
+        let wait = match k.stuck_since.checked_sub(now) {
+            Some(ms) if ms > 0 => {
+                format!(
+                    "  may still land: release no sooner than in {} s",
+                    ms.div_ceil(1000)
+                )
+            }
+            _ => String::new(),
+        };
         println!(
-            "{}  scope {}  key {}  stuck for {} s  attempts {}  fencing token {}",
+            "{}  scope {}  key {}  stuck for {} s  attempts {}  fencing token {}{wait}",
             k.status,
             k.scope,
             k.key,
