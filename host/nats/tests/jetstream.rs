@@ -740,8 +740,13 @@ async fn adapters_sharing_a_batcher_commit_their_deliveries_in_one_batch() -> an
         sizes[1]
     );
     // The batch after the held one took every delivery that waited, from
-    // both adapters: more than one adapter can have in flight.
-    assert_eq!(sizes[1], 2 * SHARED_IN_FLIGHT - first);
+    // both adapters: more than one adapter can have in flight. Once the
+    // held batch is answered, the first adapter may pull up to `first`
+    // new deliveries, which can join before that batch is taken.
+    assert!(
+        (2 * SHARED_IN_FLIGHT - first..=2 * SHARED_IN_FLIGHT).contains(&sizes[1]),
+        "the batch after the held one: {sizes:?}"
+    );
     assert!(sizes[1] > SHARED_IN_FLIGHT - first);
     assert_eq!(
         overlapped.load(Ordering::SeqCst),
