@@ -1145,6 +1145,13 @@ fn long_lease(rest: &str) -> String {
     format!("[defaults]\nlease_ms = {LONG_LEASE_MS}\n{rest}")
 }
 
+/// A configuration whose upstream times out after 300 ms (below the
+/// `/hang` endpoints' wait) with top-level settings `top`, and whose
+/// `[defaults]` have [`LONG_LEASE_MS`] and then `defaults`.
+fn timing_out(top: &str, defaults: &str) -> String {
+    format!("upstream_timeout_ms = 300\n{top}{}", long_lease(defaults))
+}
+
 /// Retries the killed request: within the lease it is still "in progress";
 /// once the test clock has moved past the lease, the answer is whatever
 /// the policy makes of the abandoned attempt.
@@ -1444,10 +1451,7 @@ fn an_answer_the_database_could_not_take_survives_sigkill_and_is_replayed() -> R
 /// or, once released, runs the request again.
 #[test]
 fn an_operator_lists_inspects_and_settles_outcome_unknown_keys() -> Result<()> {
-    let w = World::start(Some(&format!(
-        "upstream_timeout_ms = 300\n{}",
-        long_lease("")
-    )))?;
+    let w = World::start(Some(&timing_out("", "")))?;
     for k in ["paid", "not-paid"] {
         time_out(&w.proxy, k)?;
     }
@@ -1789,10 +1793,7 @@ fn stuck_keys_are_counted_on_the_metrics_until_settled() -> Result<()> {
     let up = Upstream::start()?;
     let clock = TestClock::new(dir.path())?;
     let proxy = Serve::new(&up.url(), &db)
-        .config(&format!(
-            "upstream_timeout_ms = 300\nsweep_interval_ms = 20\n{}",
-            long_lease("")
-        ))
+        .config(&timing_out("sweep_interval_ms = 20\n", ""))
         .clock(&clock)
         .admin()
         .start()?;
@@ -1882,11 +1883,9 @@ fn retry_past_the_lease(w: &World, path: &str, k: &str) -> Result<Resp> {
 #[test]
 fn an_unknown_outcome_is_settled_by_the_lookup_and_never_runs_twice() -> Result<()> {
     let w = World::start_with(|up| {
-        format!(
-            "upstream_timeout_ms = 300\n{}",
-            long_lease(&format!(
-                "outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup/{{key}}\"\n"
-            ))
+        timing_out(
+            "",
+            &format!("outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup/{{key}}\"\n"),
         )
     })?;
     time_out(&w.proxy, "k")?;
@@ -1910,13 +1909,13 @@ fn an_unknown_outcome_is_settled_by_the_lookup_and_never_runs_twice() -> Result<
 fn a_lookup_that_finds_nothing_lets_the_retry_run_once_and_one_that_cannot_tell_blocks()
 -> Result<()> {
     let w = World::start_with(|up| {
-        format!(
-            "upstream_timeout_ms = 300\n{}",
-            long_lease(&format!(
+        timing_out(
+            "",
+            &format!(
                 "outcome_unknown = \"reconcile\"\nlookup = \"{up}/lookup-none/{{key}}\"\n\
                  [[routes]]\npath = \"/down/*\"\nbiz_type = \"down\"\n\
                  lookup = \"{up}/lookup-down/{{key}}\"\n"
-            ))
+            ),
         )
     })?;
     hang_once(&w.proxy, "/hang-once", "k")?;
@@ -1949,7 +1948,7 @@ fn idem_reconcile_settles_stuck_keys_through_the_lookup() -> Result<()> {
     let up_url = std::cell::RefCell::new(String::new());
     let w = World::start_with(|up| {
         *up_url.borrow_mut() = up.to_owned();
-        format!("upstream_timeout_ms = 300\n{}", long_lease(""))
+        timing_out("", "")
     })?;
     time_out(&w.proxy, "k")?;
     let dir = tempfile::tempdir()?;
@@ -2014,9 +2013,9 @@ fn the_sweep_settles_stuck_keys_through_the_lookup_in_the_background() -> Result
     let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
         .admin()
         .clock(&clock)
-        .config(&format!(
-            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n{}",
-            long_lease(&format!("lookup = \"{}/lookup/{{key}}\"\n", up.url()))
+        .config(&timing_out(
+            "sweep_interval_ms = 50\n",
+            &format!("lookup = \"{}/lookup/{{key}}\"\n", up.url()),
         ))
         .start()?;
     let admin = proxy.admin.clone().context("admin")?;
@@ -2052,10 +2051,7 @@ fn the_sweep_settles_stuck_keys_through_the_lookup_in_the_background() -> Result
 /// the sweep releases it and the next request runs again.
 #[test]
 fn a_stuck_key_is_released_only_past_its_lease_and_its_retention() -> Result<()> {
-    let config = format!(
-        "upstream_timeout_ms = 300\nsweep_interval_ms = 0\n{}",
-        long_lease("stuck_retention_ms = 1000\n")
-    );
+    let config = timing_out("sweep_interval_ms = 0\n", "stuck_retention_ms = 1000\n");
     let w = World::start(Some(&config))?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("sweep.toml");
@@ -2090,9 +2086,9 @@ fn a_stuck_key_past_its_retention_is_reported_and_released() -> Result<()> {
     let proxy = Serve::new(&up.url(), &dir.path().join("idem.db"))
         .admin()
         .clock(&clock)
-        .config(&format!(
-            "upstream_timeout_ms = 300\nsweep_interval_ms = 50\n{}",
-            long_lease("stuck_retention_ms = 1\n")
+        .config(&timing_out(
+            "sweep_interval_ms = 50\n",
+            "stuck_retention_ms = 1\n",
         ))
         .start()?;
     hang_once(&proxy, "/hang-once", "k")?;

@@ -216,14 +216,12 @@ pub fn stuck(
     for k in &keys {
         // An unknown outcome within the lease of the attempt that reported
         // it: its action may still land, so it may not be released yet.
-        let wait = match k.stuck_since.checked_sub(now) {
-            Some(ms) if ms > 0 => {
-                format!(
-                    "  may still land: release no sooner than in {} s",
-                    ms.div_ceil(1000)
-                )
-            }
-            _ => String::new(),
+        let wait = match k.stuck_since.saturating_sub(now) {
+            0 => String::new(),
+            ms => format!(
+                "  may still land: release no sooner than in {} s",
+                ms.div_ceil(1000)
+            ),
         };
         println!(
             "{}  scope {}  key {}  stuck for {} s  attempts {}  fencing token {}{wait}",
