@@ -58,6 +58,8 @@ python3 -m venv "$build_venv"
 cp -r packages/python "$work/python-src"
 rm -rf "$work/python-src/build" "$work/python-src/dist"
 cp "$wasm" "$work/python-src/src/idem/idem_guest.wasm"
+rm -rf "$work/python-src/src/idem/schema"
+cp -r host/sqlite/schema "$work/python-src/src/idem/schema"
 "$build_venv/bin/python" -m build --wheel --outdir "$work/wheels" "$work/python-src" >/dev/null
 ls "$work/wheels"
 

@@ -1,5 +1,6 @@
 // The durable SQLite store, on better-sqlite3. The schema, the unique index
-// and the encoding are the Rust crate's (host/sqlite/src/lib.rs): a file
+// and the encoding are the Rust crate's (its schema files,
+// host/sqlite/schema/N.sql, are built into dist/schema.js): a file
 // written by one is read by the other, and processes in any of the
 // languages may use one file at once.
 
@@ -7,91 +8,19 @@ import Database from "better-sqlite3";
 
 import { I64_MAX, StoreError } from "./host.js";
 
-/** The schema versions, exactly as the Rust store creates them. */
-export const MIGRATIONS = [
-  `CREATE TABLE idempotency_record (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        scope_key TEXT NOT NULL,
-        biz_type TEXT NOT NULL,
-        idem_key TEXT NOT NULL,
-        request_hash TEXT NOT NULL,
-        fingerprint_version INTEGER NOT NULL,
-        status TEXT NOT NULL CHECK (status IN
-            ('processing', 'succeeded', 'failed', 'released', 'outcome-unknown')),
-        fencing_token INTEGER NOT NULL,
-        revision INTEGER NOT NULL,
-        attempts INTEGER NOT NULL,
-        lease_until INTEGER,
-        created_at INTEGER NOT NULL,
-        updated_at INTEGER NOT NULL,
-        expires_at INTEGER,
-        result_ref TEXT,
-        response BLOB,
-        failure BLOB,
-        UNIQUE (scope_key, biz_type, idem_key)
-    );
-    CREATE INDEX idempotency_record_sweep
-        ON idempotency_record (expires_at)
-        WHERE status IN ('succeeded', 'failed', 'released');
-    CREATE INDEX idempotency_record_stale_processing
-        ON idempotency_record (biz_type, lease_until)
-        WHERE status = 'processing';
-    CREATE INDEX idempotency_record_outcome_unknown
-        ON idempotency_record (biz_type, updated_at)
-        WHERE status = 'outcome-unknown';`,
-  // Version 2: byte strings in the response and failure JSON are base64
-  // strings. No row is rewritten (version 1's arrays of numbers are still
-  // read); the number changes so that a build knowing only version 1
-  // refuses the file instead of failing on the new rows.
-  "-- byte strings in response and failure are base64 from here on",
-  // Version 3: the status checks as `=` chains, not `IN` lists, which
-  // SQLite evaluates by building a temporary b-tree on every insert and
-  // swap. The table is rebuilt, rows, ids and the AUTOINCREMENT counter
-  // kept.
-  `CREATE TABLE idempotency_record_v3 (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        scope_key TEXT NOT NULL,
-        biz_type TEXT NOT NULL,
-        idem_key TEXT NOT NULL,
-        request_hash TEXT NOT NULL,
-        fingerprint_version INTEGER NOT NULL,
-        status TEXT NOT NULL CHECK (status = 'processing' OR status = 'succeeded'
-            OR status = 'failed' OR status = 'released' OR status = 'outcome-unknown'),
-        fencing_token INTEGER NOT NULL,
-        revision INTEGER NOT NULL,
-        attempts INTEGER NOT NULL,
-        lease_until INTEGER,
-        created_at INTEGER NOT NULL,
-        updated_at INTEGER NOT NULL,
-        expires_at INTEGER,
-        result_ref TEXT,
-        response BLOB,
-        failure BLOB,
-        UNIQUE (scope_key, biz_type, idem_key)
-    );
-    INSERT INTO idempotency_record_v3 (id, scope_key, biz_type, idem_key, request_hash,
-            fingerprint_version, status, fencing_token, revision, attempts, lease_until,
-            created_at, updated_at, expires_at, result_ref, response, failure)
-        SELECT id, scope_key, biz_type, idem_key, request_hash,
-            fingerprint_version, status, fencing_token, revision, attempts, lease_until,
-            created_at, updated_at, expires_at, result_ref, response, failure
-        FROM idempotency_record ORDER BY id;
-    DELETE FROM sqlite_sequence WHERE name = 'idempotency_record_v3';
-    INSERT INTO sqlite_sequence (name, seq)
-        SELECT 'idempotency_record_v3', seq FROM sqlite_sequence
-        WHERE name = 'idempotency_record';
-    DROP TABLE idempotency_record;
-    ALTER TABLE idempotency_record_v3 RENAME TO idempotency_record;
-    CREATE INDEX idempotency_record_sweep
-        ON idempotency_record (expires_at)
-        WHERE (status = 'succeeded' OR status = 'failed' OR status = 'released');
-    CREATE INDEX idempotency_record_stale_processing
-        ON idempotency_record (biz_type, lease_until)
-        WHERE status = 'processing';
-    CREATE INDEX idempotency_record_outcome_unknown
-        ON idempotency_record (biz_type, updated_at)
-        WHERE status = 'outcome-unknown';`,
-];
+/**
+ * The schema versions, exactly as the Rust store creates them: its files
+ * host/sqlite/schema/N.sql, which scripts/build.js writes into dist/.
+ */
+export const MIGRATIONS = await loadMigrations();
+
+async function loadMigrations() {
+  try {
+    return (await import("../dist/schema.js")).MIGRATIONS;
+  } catch (e) {
+    throw new Error(`idem: no SQLite schema in dist/ (build it with scripts/build.js): ${e.message}`);
+  }
+}
 
 const COLUMNS = "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, "
   + "fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, "

@@ -2,7 +2,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { EngineError, Idem, SqliteStore } from "idem-engine";
+import { EngineError, Idem, MIGRATIONS, SqliteStore } from "idem-engine";
 
 import { T0, key, setup } from "./helpers.js";
 
@@ -301,6 +301,15 @@ test("the file has the Rust store's schema: version 3 and the unique index", () 
   const idx = store.db.prepare("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name").all().map((r) => r.name);
   assert.deepEqual(idx, ["idempotency_record_outcome_unknown", "idempotency_record_stale_processing", "idempotency_record_sweep", "sqlite_autoindex_idempotency_record_1"]);
   assert.equal(String(store.db.pragma("journal_mode", { simple: true })), "wal");
+});
+
+test("the schema is the Rust store's files, built into the package, and made the file", () => {
+  const { store } = setup();
+  assert.equal(MIGRATIONS.length, 3);
+  assert.ok(MIGRATIONS[0].startsWith("-- Schema version 1:"));
+  // SQLite keeps each CREATE INDEX as written: the file's text made it.
+  const sweep = store.db.prepare("SELECT sql FROM sqlite_master WHERE name = 'idempotency_record_sweep'").get().sql;
+  assert.ok(MIGRATIONS[2].includes(sweep), sweep);
 });
 
 test("rows written by schema version 1 are read after the upgrade; new rows are base64", () => {

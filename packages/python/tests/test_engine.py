@@ -277,6 +277,20 @@ def test_schema_is_the_rust_stores(env):
     assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+def test_the_schema_ships_in_the_package_and_made_the_file(env):
+    from importlib import resources
+
+    from idem.sqlite import migrations
+
+    shipped = resources.files("idem").joinpath("schema")
+    assert [shipped.joinpath(f"{v}.sql").read_text(encoding="utf-8") for v in (1, 2, 3)] == list(migrations())
+    assert not shipped.joinpath("4.sql").is_file()
+    # SQLite keeps each CREATE INDEX as written: the file's text made it.
+    sweep = env.store.connection.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'idempotency_record_sweep'").fetchone()[0]
+    assert sweep in migrations()[2]
+
+
 def test_rows_written_by_schema_version_1_are_read_after_the_upgrade(env):
     import json
     import sqlite3

@@ -1,16 +1,20 @@
 """The durable SQLite store, on the standard library's sqlite3. The schema,
-the unique index and the encoding are the Rust crate's
-(host/sqlite/src/lib.rs): a file written by one is read by the other, and
-processes in any of the languages may use one file at once."""
+the unique index and the encoding are the Rust crate's (its schema files,
+host/sqlite/schema/N.sql, ship in this package as idem/schema): a file
+written by one is read by the other, and processes in any of the languages
+may use one file at once."""
 
 from __future__ import annotations
 
 import binascii
 import contextlib
+import functools
 import json
 import sqlite3
 import threading
 import time
+from importlib import resources
+from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from wasmtime.component import Record, Variant
@@ -19,91 +23,30 @@ from ._host import I64_MAX, StoreError, get, record
 
 T = TypeVar("T")
 
-MIGRATIONS = [
-    """CREATE TABLE idempotency_record (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        scope_key TEXT NOT NULL,
-        biz_type TEXT NOT NULL,
-        idem_key TEXT NOT NULL,
-        request_hash TEXT NOT NULL,
-        fingerprint_version INTEGER NOT NULL,
-        status TEXT NOT NULL CHECK (status IN
-            ('processing', 'succeeded', 'failed', 'released', 'outcome-unknown')),
-        fencing_token INTEGER NOT NULL,
-        revision INTEGER NOT NULL,
-        attempts INTEGER NOT NULL,
-        lease_until INTEGER,
-        created_at INTEGER NOT NULL,
-        updated_at INTEGER NOT NULL,
-        expires_at INTEGER,
-        result_ref TEXT,
-        response BLOB,
-        failure BLOB,
-        UNIQUE (scope_key, biz_type, idem_key)
-    );
-    CREATE INDEX idempotency_record_sweep
-        ON idempotency_record (expires_at)
-        WHERE status IN ('succeeded', 'failed', 'released');
-    CREATE INDEX idempotency_record_stale_processing
-        ON idempotency_record (biz_type, lease_until)
-        WHERE status = 'processing';
-    CREATE INDEX idempotency_record_outcome_unknown
-        ON idempotency_record (biz_type, updated_at)
-        WHERE status = 'outcome-unknown';""",
-    # Version 2: byte strings in the response and failure JSON are base64
-    # strings. No row is rewritten (version 1's arrays of numbers are still
-    # read); the number changes so that a build knowing only version 1
-    # refuses the file instead of failing on the new rows.
-    "-- byte strings in response and failure are base64 from here on",
-    # Version 3: the status checks as `=` chains, not `IN` lists, which
-    # SQLite evaluates by building a temporary b-tree on every insert and
-    # swap. The table is rebuilt, rows, ids and the AUTOINCREMENT counter
-    # kept.
-    """CREATE TABLE idempotency_record_v3 (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        scope_key TEXT NOT NULL,
-        biz_type TEXT NOT NULL,
-        idem_key TEXT NOT NULL,
-        request_hash TEXT NOT NULL,
-        fingerprint_version INTEGER NOT NULL,
-        status TEXT NOT NULL CHECK (status = 'processing' OR status = 'succeeded'
-            OR status = 'failed' OR status = 'released' OR status = 'outcome-unknown'),
-        fencing_token INTEGER NOT NULL,
-        revision INTEGER NOT NULL,
-        attempts INTEGER NOT NULL,
-        lease_until INTEGER,
-        created_at INTEGER NOT NULL,
-        updated_at INTEGER NOT NULL,
-        expires_at INTEGER,
-        result_ref TEXT,
-        response BLOB,
-        failure BLOB,
-        UNIQUE (scope_key, biz_type, idem_key)
-    );
-    INSERT INTO idempotency_record_v3 (id, scope_key, biz_type, idem_key, request_hash,
-            fingerprint_version, status, fencing_token, revision, attempts, lease_until,
-            created_at, updated_at, expires_at, result_ref, response, failure)
-        SELECT id, scope_key, biz_type, idem_key, request_hash,
-            fingerprint_version, status, fencing_token, revision, attempts, lease_until,
-            created_at, updated_at, expires_at, result_ref, response, failure
-        FROM idempotency_record ORDER BY id;
-    DELETE FROM sqlite_sequence WHERE name = 'idempotency_record_v3';
-    INSERT INTO sqlite_sequence (name, seq)
-        SELECT 'idempotency_record_v3', seq FROM sqlite_sequence
-        WHERE name = 'idempotency_record';
-    DROP TABLE idempotency_record;
-    ALTER TABLE idempotency_record_v3 RENAME TO idempotency_record;
-    CREATE INDEX idempotency_record_sweep
-        ON idempotency_record (expires_at)
-        WHERE (status = 'succeeded' OR status = 'failed' OR status = 'released');
-    CREATE INDEX idempotency_record_stale_processing
-        ON idempotency_record (biz_type, lease_until)
-        WHERE status = 'processing';
-    CREATE INDEX idempotency_record_outcome_unknown
-        ON idempotency_record (biz_type, updated_at)
-        WHERE status = 'outcome-unknown';""",
-]
-"""The schema versions, exactly as the Rust store creates them."""
+
+@functools.lru_cache(maxsize=None)
+def migrations() -> tuple[str, ...]:
+    """The schema versions, exactly as the Rust store creates them: files
+    1.sql … N.sql of the package's copy of host/sqlite/schema (package data
+    in a wheel), or of host/sqlite/schema itself when this module runs from
+    the repository's source tree."""
+    for schema in (resources.files("idem").joinpath("schema"), *_repository_schema()):
+        found: list[str] = []
+        while schema.joinpath(f"{len(found) + 1}.sql").is_file():
+            found.append(schema.joinpath(f"{len(found) + 1}.sql").read_text(encoding="utf-8"))
+        if found:
+            return tuple(found)
+    raise StoreError("internal", "the package holds no SQLite schema (idem/schema/1.sql): build the wheel "
+                     "with host/sqlite/schema copied into src/idem/schema")
+
+
+def _repository_schema() -> list[Path]:
+    """host/sqlite/schema, when this file is the repository's
+    packages/python/src/idem/sqlite.py."""
+    here = Path(__file__).resolve()
+    if len(here.parents) < 5 or here.parents[3].name != "packages":
+        return []
+    return [here.parents[4] / "host" / "sqlite" / "schema"]
 
 COLUMNS = ("id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, "
            "fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, "
@@ -324,19 +267,21 @@ class SqliteStore:
                              "the store needs a database file on a local file system")
 
     def _migrate(self) -> None:
+        versions = migrations()
+
         def version() -> int:
             v = self.connection.execute("PRAGMA user_version").fetchone()[0]
-            if v > len(MIGRATIONS):
-                raise StoreError("internal", f"the database has schema version {v}; this build knows versions up to {len(MIGRATIONS)}")
+            if v > len(versions):
+                raise StoreError("internal", f"the database has schema version {v}; this build knows versions up to {len(versions)}")
             return v
 
-        if version() == len(MIGRATIONS):
+        if version() == len(versions):
             return
         c = self.connection
         c.execute("BEGIN IMMEDIATE")
         try:
-            for i in range(version(), len(MIGRATIONS)):
-                for stmt in MIGRATIONS[i].split(";"):
+            for i in range(version(), len(versions)):
+                for stmt in versions[i].split(";"):
                     if stmt.strip():
                         c.execute(stmt)
                 c.execute(f"PRAGMA user_version = {i + 1}")

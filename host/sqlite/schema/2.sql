@@ -1,0 +1,6 @@
+-- Schema version 2: byte strings in the response and failure JSON are
+-- base64 strings. No row is rewritten: rows written by version 1, with
+-- arrays of numbers, are still read. The version number is what changes, so
+-- that a build that only knows version 1 refuses the database instead of
+-- failing on the new rows.
+-- byte strings in response and failure are base64 from here on
