@@ -39,7 +39,7 @@ use postgres::{Client, NoTls, Statement};
 
 use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_u32, to_u64,
+    RecordColumns, RecordRow, TransactionSlot, cursor_values, parse_status, saturate, to_u64,
 };
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
@@ -1176,26 +1176,12 @@ fn migrate(client: &mut Client, schema: &str) -> Result<(), StoreError> {
 // ---------------------------------------------------------------------------
 // Encoding and decoding.
 
-/// A record converted to PostgreSQL values. Numbers above `i64::MAX` and
-/// text with a NUL character are rejected; `response` and `failure` are
-/// JSON of the host types, as in the SQLite store.
+/// A record as PostgreSQL values ([`RecordColumns`]): numbers above
+/// `i64::MAX` and text with a NUL character are refused; `response` and
+/// `failure` are JSON, as in the SQLite store; `result_ref` is `bytea`.
 struct EncodedRecord<'a> {
-    scope: &'a str,
-    biz_type: &'a str,
-    idem_key: &'a str,
-    fingerprint: &'a str,
-    fingerprint_version: i64,
-    status: &'static str,
-    fencing_token: i64,
-    revision: i64,
-    attempts: i64,
-    lease_until: Option<i64>,
-    created_at: i64,
-    updated_at: i64,
-    expires_at: Option<i64>,
+    columns: RecordColumns<'a>,
     result_ref: Option<&'a [u8]>,
-    response: Option<Vec<u8>>,
-    failure: Option<Vec<u8>>,
 }
 
 impl<'a> EncodedRecord<'a> {
@@ -1205,58 +1191,31 @@ impl<'a> EncodedRecord<'a> {
         check_text(&record.key.idem_key, "idem_key")?;
         check_text(&record.fingerprint, "fingerprint")?;
         Ok(Self {
-            scope: &record.key.scope,
-            biz_type: &record.key.biz_type,
-            idem_key: &record.key.idem_key,
-            fingerprint: &record.fingerprint,
-            fingerprint_version: i64::from(record.fingerprint_version),
-            status: record.status.as_str(),
-            fencing_token: to_i64(record.fencing_token, "fencing_token")?,
-            revision: to_i64(record.revision, "revision")?,
-            attempts: i64::from(record.attempts),
-            lease_until: record
-                .lease_until
-                .map(|v| to_i64(v, "lease_until"))
-                .transpose()?,
-            created_at: to_i64(record.created_at, "created_at")?,
-            updated_at: to_i64(record.updated_at, "updated_at")?,
-            expires_at: record
-                .expires_at
-                .map(|v| to_i64(v, "expires_at"))
-                .transpose()?,
+            columns: RecordColumns::new(record, "the largest integer PostgreSQL's BIGINT stores")?,
             result_ref: record.result_ref.as_deref().map(str::as_bytes),
-            response: record
-                .response
-                .as_ref()
-                .map(columns::encode_response)
-                .transpose()?,
-            failure: record
-                .failure
-                .as_ref()
-                .map(columns::encode_failure)
-                .transpose()?,
         })
     }
 
     /// Parameters `$1` to `$16` of the insert and swap statements.
     fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        let c = &self.columns;
         vec![
-            &self.scope,
-            &self.biz_type,
-            &self.idem_key,
-            &self.fingerprint,
-            &self.fingerprint_version,
-            &self.status,
-            &self.fencing_token,
-            &self.revision,
-            &self.attempts,
-            &self.lease_until,
-            &self.created_at,
-            &self.updated_at,
-            &self.expires_at,
+            &c.scope,
+            &c.biz_type,
+            &c.idem_key,
+            &c.fingerprint,
+            &c.fingerprint_version,
+            &c.status,
+            &c.fencing_token,
+            &c.revision,
+            &c.attempts,
+            &c.lease_until,
+            &c.created_at,
+            &c.updated_at,
+            &c.expires_at,
             &self.result_ref,
-            &self.response,
-            &self.failure,
+            &c.response,
+            &c.failure,
         ]
     }
 }
@@ -1272,14 +1231,6 @@ fn check_text(value: &str, field: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn to_i64(value: u64, field: &str) -> Result<i64, StoreError> {
-    columns::to_i64(
-        value,
-        field,
-        "the largest integer PostgreSQL's BIGINT stores",
-    )
-}
-
 fn column_name(index: usize) -> &'static str {
     COLUMN_NAMES.get(index).copied().unwrap_or("?")
 }
@@ -1293,39 +1244,32 @@ fn column<T: FromSqlOwned>(row: &postgres::Row, index: usize) -> Result<T, Store
 
 /// Decodes one row selected with [`COLUMNS`].
 fn decode_row(row: &postgres::Row) -> Result<StoredRecord, StoreError> {
-    let opt_u64 = |index: usize| -> Result<Option<u64>, StoreError> {
-        column::<Option<i64>>(row, index)?
-            .map(|v| to_u64(v, column_name(index)))
-            .transpose()
-    };
-    let status: String = column(row, 6)?;
     let result_ref = column::<Option<Vec<u8>>>(row, 14)?
         .map(|bytes| {
             String::from_utf8(bytes)
                 .map_err(|e| StoreError::Internal(format!("column result_ref is not UTF-8: {e}")))
         })
         .transpose()?;
-    Ok(StoredRecord {
-        id: to_u64(column(row, 0)?, "id")?,
-        key: RecordKey {
-            scope: column(row, 1)?,
-            biz_type: column(row, 2)?,
-            idem_key: column(row, 3)?,
-        },
+    RecordRow {
+        id: column(row, 0)?,
+        scope: column(row, 1)?,
+        biz_type: column(row, 2)?,
+        idem_key: column(row, 3)?,
         fingerprint: column(row, 4)?,
-        fingerprint_version: to_u32(column(row, 5)?, "fingerprint_version")?,
-        status: parse_status(&status)?,
-        fencing_token: to_u64(column(row, 7)?, "fencing_token")?,
-        revision: to_u64(column(row, 8)?, "revision")?,
-        attempts: to_u32(column(row, 9)?, "attempts")?,
-        lease_until: opt_u64(10)?,
-        created_at: to_u64(column(row, 11)?, "created_at")?,
-        updated_at: to_u64(column(row, 12)?, "updated_at")?,
-        expires_at: opt_u64(13)?,
+        fingerprint_version: column(row, 5)?,
+        status: column(row, 6)?,
+        fencing_token: column(row, 7)?,
+        revision: column(row, 8)?,
+        attempts: column(row, 9)?,
+        lease_until: column(row, 10)?,
+        created_at: column(row, 11)?,
+        updated_at: column(row, 12)?,
+        expires_at: column(row, 13)?,
         result_ref,
-        response: columns::decode_response(column::<Option<Vec<u8>>>(row, 15)?.as_deref())?,
-        failure: columns::decode_failure(column::<Option<Vec<u8>>>(row, 16)?.as_deref())?,
-    })
+        response: column(row, 15)?,
+        failure: column(row, 16)?,
+    }
+    .into_record()
 }
 
 #[cfg(test)]

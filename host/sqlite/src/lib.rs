@@ -26,7 +26,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, ToSql, TransactionBehavior};
 
 use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    self as columns, TransactionSlot, cursor_values, parse_status, saturate, to_u32, to_u64,
+    RecordColumns, RecordRow, TransactionSlot, cursor_values, parse_status, saturate, to_u64,
 };
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
@@ -1092,90 +1092,38 @@ fn count_by_status(conn: &Connection) -> Result<Vec<(Status, u64)>, StoreError> 
 // ---------------------------------------------------------------------------
 // Encoding and decoding.
 
-/// A record converted to SQLite values. Numbers above `i64::MAX` are
-/// rejected; `response` and `failure` are JSON, encoded by
-/// `idem_engine::store::sql` (byte strings as base64, so the round trip is
-/// exact).
-struct EncodedRecord<'a> {
-    scope: &'a str,
-    biz_type: &'a str,
-    idem_key: &'a str,
-    fingerprint: &'a str,
-    fingerprint_version: i64,
-    status: &'static str,
-    fencing_token: i64,
-    revision: i64,
-    attempts: i64,
-    lease_until: Option<i64>,
-    created_at: i64,
-    updated_at: i64,
-    expires_at: Option<i64>,
-    result_ref: Option<&'a str>,
-    response: Option<Vec<u8>>,
-    failure: Option<Vec<u8>>,
-}
+/// A record as SQLite values ([`RecordColumns`]): numbers above
+/// `i64::MAX` are refused; `response` and `failure` are JSON, byte strings
+/// as base64, so the round trip is exact.
+struct EncodedRecord<'a>(RecordColumns<'a>);
 
 impl<'a> EncodedRecord<'a> {
     fn new(record: &'a StoredRecord) -> Result<Self, StoreError> {
-        Ok(Self {
-            scope: &record.key.scope,
-            biz_type: &record.key.biz_type,
-            idem_key: &record.key.idem_key,
-            fingerprint: &record.fingerprint,
-            fingerprint_version: i64::from(record.fingerprint_version),
-            status: record.status.as_str(),
-            fencing_token: to_i64(record.fencing_token, "fencing_token")?,
-            revision: to_i64(record.revision, "revision")?,
-            attempts: i64::from(record.attempts),
-            lease_until: record
-                .lease_until
-                .map(|v| to_i64(v, "lease_until"))
-                .transpose()?,
-            created_at: to_i64(record.created_at, "created_at")?,
-            updated_at: to_i64(record.updated_at, "updated_at")?,
-            expires_at: record
-                .expires_at
-                .map(|v| to_i64(v, "expires_at"))
-                .transpose()?,
-            result_ref: record.result_ref.as_deref(),
-            response: record
-                .response
-                .as_ref()
-                .map(columns::encode_response)
-                .transpose()?,
-            failure: record
-                .failure
-                .as_ref()
-                .map(columns::encode_failure)
-                .transpose()?,
-        })
+        RecordColumns::new(record, "the largest integer SQLite stores").map(Self)
     }
 
     /// Parameters `?1` to `?16` of [`SQL_INSERT`] and [`SQL_SWAP`].
     fn params(&self) -> Vec<&dyn ToSql> {
+        let c = &self.0;
         vec![
-            &self.scope,
-            &self.biz_type,
-            &self.idem_key,
-            &self.fingerprint,
-            &self.fingerprint_version,
-            &self.status,
-            &self.fencing_token,
-            &self.revision,
-            &self.attempts,
-            &self.lease_until,
-            &self.created_at,
-            &self.updated_at,
-            &self.expires_at,
-            &self.result_ref,
-            &self.response,
-            &self.failure,
+            &c.scope,
+            &c.biz_type,
+            &c.idem_key,
+            &c.fingerprint,
+            &c.fingerprint_version,
+            &c.status,
+            &c.fencing_token,
+            &c.revision,
+            &c.attempts,
+            &c.lease_until,
+            &c.created_at,
+            &c.updated_at,
+            &c.expires_at,
+            &c.result_ref,
+            &c.response,
+            &c.failure,
         ]
     }
-}
-
-fn to_i64(value: u64, field: &str) -> Result<i64, StoreError> {
-    columns::to_i64(value, field, "the largest integer SQLite stores")
 }
 
 /// Reads column `index` of [`columns!`], naming it in any error.
@@ -1191,33 +1139,26 @@ fn column_name(index: usize) -> &'static str {
 
 /// Decodes one row selected with [`columns!`].
 fn decode_row(row: &rusqlite::Row<'_>) -> Result<StoredRecord, StoreError> {
-    let opt_u64 = |index: usize| -> Result<Option<u64>, StoreError> {
-        column::<Option<i64>>(row, index)?
-            .map(|v| to_u64(v, column_name(index)))
-            .transpose()
-    };
-    let status: String = column(row, 6)?;
-    Ok(StoredRecord {
-        id: to_u64(column(row, 0)?, "id")?,
-        key: RecordKey {
-            scope: column(row, 1)?,
-            biz_type: column(row, 2)?,
-            idem_key: column(row, 3)?,
-        },
+    RecordRow {
+        id: column(row, 0)?,
+        scope: column(row, 1)?,
+        biz_type: column(row, 2)?,
+        idem_key: column(row, 3)?,
         fingerprint: column(row, 4)?,
-        fingerprint_version: to_u32(column(row, 5)?, "fingerprint_version")?,
-        status: parse_status(&status)?,
-        fencing_token: to_u64(column(row, 7)?, "fencing_token")?,
-        revision: to_u64(column(row, 8)?, "revision")?,
-        attempts: to_u32(column(row, 9)?, "attempts")?,
-        lease_until: opt_u64(10)?,
-        created_at: to_u64(column(row, 11)?, "created_at")?,
-        updated_at: to_u64(column(row, 12)?, "updated_at")?,
-        expires_at: opt_u64(13)?,
+        fingerprint_version: column(row, 5)?,
+        status: column(row, 6)?,
+        fencing_token: column(row, 7)?,
+        revision: column(row, 8)?,
+        attempts: column(row, 9)?,
+        lease_until: column(row, 10)?,
+        created_at: column(row, 11)?,
+        updated_at: column(row, 12)?,
+        expires_at: column(row, 13)?,
         result_ref: column(row, 14)?,
-        response: columns::decode_response(column::<Option<Vec<u8>>>(row, 15)?.as_deref())?,
-        failure: columns::decode_failure(column::<Option<Vec<u8>>>(row, 16)?.as_deref())?,
-    })
+        response: column(row, 15)?,
+        failure: column(row, 16)?,
+    }
+    .into_record()
 }
 
 // ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 
 use super::{StaleCursor, StoreError};
-use crate::types::{Failure, Status, StoredResponse};
+use crate::types::{Failure, RecordKey, Status, StoredRecord, StoredResponse};
 
 /// `value` as a signed 64-bit column value; a larger value is refused
 /// ([`StoreError::Rejected`]), naming `field` and `limit` (what the
@@ -273,6 +273,144 @@ pub fn decode_failure(column: Option<&[u8]>) -> Result<Option<Failure>, StoreErr
             })
         })
         .transpose()
+}
+
+/// A record as the columns of the record table hold it, `scope_key` to
+/// `failure` in the order of both backends' insert and swap parameters
+/// (`id` is the database's): integers as signed 64-bit values, `response`
+/// and `failure` as their JSON ([`encode_response`], [`encode_failure`]).
+#[derive(Debug)]
+pub struct RecordColumns<'a> {
+    /// `scope_key`.
+    pub scope: &'a str,
+    /// `biz_type`.
+    pub biz_type: &'a str,
+    /// `idem_key`.
+    pub idem_key: &'a str,
+    /// `request_hash`.
+    pub fingerprint: &'a str,
+    /// `fingerprint_version`.
+    pub fingerprint_version: i64,
+    /// `status`.
+    pub status: &'static str,
+    /// `fencing_token`.
+    pub fencing_token: i64,
+    /// `revision`.
+    pub revision: i64,
+    /// `attempts`.
+    pub attempts: i64,
+    /// `lease_until`.
+    pub lease_until: Option<i64>,
+    /// `created_at`.
+    pub created_at: i64,
+    /// `updated_at`.
+    pub updated_at: i64,
+    /// `expires_at`.
+    pub expires_at: Option<i64>,
+    /// `result_ref`.
+    pub result_ref: Option<&'a str>,
+    /// `response`.
+    pub response: Option<Vec<u8>>,
+    /// `failure`.
+    pub failure: Option<Vec<u8>>,
+}
+
+impl<'a> RecordColumns<'a> {
+    /// The columns of `record`. An integer above `i64::MAX` is
+    /// [`StoreError::Rejected`], naming its field and `limit` (see
+    /// [`to_i64`]).
+    pub fn new(record: &'a StoredRecord, limit: &str) -> Result<Self, StoreError> {
+        let int = |value: u64, field: &str| to_i64(value, field, limit);
+        let opt = |value: Option<u64>, field: &str| value.map(|v| int(v, field)).transpose();
+        Ok(Self {
+            scope: &record.key.scope,
+            biz_type: &record.key.biz_type,
+            idem_key: &record.key.idem_key,
+            fingerprint: &record.fingerprint,
+            fingerprint_version: i64::from(record.fingerprint_version),
+            status: record.status.as_str(),
+            fencing_token: int(record.fencing_token, "fencing_token")?,
+            revision: int(record.revision, "revision")?,
+            attempts: i64::from(record.attempts),
+            lease_until: opt(record.lease_until, "lease_until")?,
+            created_at: int(record.created_at, "created_at")?,
+            updated_at: int(record.updated_at, "updated_at")?,
+            expires_at: opt(record.expires_at, "expires_at")?,
+            result_ref: record.result_ref.as_deref(),
+            response: record.response.as_ref().map(encode_response).transpose()?,
+            failure: record.failure.as_ref().map(encode_failure).transpose()?,
+        })
+    }
+}
+
+/// One row of the record table as a backend read it, `id` to `failure`;
+/// [`RecordRow::into_record`] checks and decodes it.
+#[derive(Debug)]
+pub struct RecordRow {
+    /// `id`.
+    pub id: i64,
+    /// `scope_key`.
+    pub scope: String,
+    /// `biz_type`.
+    pub biz_type: String,
+    /// `idem_key`.
+    pub idem_key: String,
+    /// `request_hash`.
+    pub fingerprint: String,
+    /// `fingerprint_version`.
+    pub fingerprint_version: i64,
+    /// `status`.
+    pub status: String,
+    /// `fencing_token`.
+    pub fencing_token: i64,
+    /// `revision`.
+    pub revision: i64,
+    /// `attempts`.
+    pub attempts: i64,
+    /// `lease_until`.
+    pub lease_until: Option<i64>,
+    /// `created_at`.
+    pub created_at: i64,
+    /// `updated_at`.
+    pub updated_at: i64,
+    /// `expires_at`.
+    pub expires_at: Option<i64>,
+    /// `result_ref`.
+    pub result_ref: Option<String>,
+    /// `response`.
+    pub response: Option<Vec<u8>>,
+    /// `failure`.
+    pub failure: Option<Vec<u8>>,
+}
+
+impl RecordRow {
+    /// The record the row holds; a value no record can have (a negative
+    /// time, an unknown status, an outcome that is not JSON of one) is
+    /// [`StoreError::Internal`], naming the column.
+    pub fn into_record(self) -> Result<StoredRecord, StoreError> {
+        let opt = |value: Option<i64>, column: &str| value.map(|v| to_u64(v, column)).transpose();
+        Ok(StoredRecord {
+            id: to_u64(self.id, "id")?,
+            key: RecordKey {
+                scope: self.scope,
+                biz_type: self.biz_type,
+                idem_key: self.idem_key,
+            },
+            fingerprint: self.fingerprint,
+            fingerprint_version: to_u32(self.fingerprint_version, "fingerprint_version")?,
+            status: parse_status(&self.status)?,
+            fencing_token: to_u64(self.fencing_token, "fencing_token")?,
+            revision: to_u64(self.revision, "revision")?,
+            attempts: to_u32(self.attempts, "attempts")?,
+            lease_until: opt(self.lease_until, "lease_until")?,
+            created_at: to_u64(self.created_at, "created_at")?,
+            updated_at: to_u64(self.updated_at, "updated_at")?,
+            expires_at: opt(self.expires_at, "expires_at")?,
+            result_ref: self.result_ref,
+            response: decode_response(self.response.as_deref())?,
+            failure: decode_failure(self.failure.as_deref())?,
+        })
+    }
 }
 
 #[cfg(test)]
