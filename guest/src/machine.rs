@@ -29,6 +29,7 @@
 //! state. Every other combination is impossible and reported as `corrupt`.
 
 use alloc::boxed::Box;
+use alloc::collections::BTreeSet;
 use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -868,6 +869,12 @@ pub fn extend(env: &impl Env, t: &Ticket, policy: &Policy) -> Result<Extension, 
     })
 }
 
+/// How much further each re-listing of `reconcile` reaches when a full
+/// listing left fewer than `limit` records examined: doubling keeps the
+/// rows read within a small multiple of those a cursor would read, however
+/// many live unknown outcomes wait ahead of the stale records.
+const RELIST_GROWTH: u32 = 2;
+
 /// `engine.reconcile`.
 pub fn reconcile(
     env: &impl Env,
@@ -885,75 +892,108 @@ pub fn reconcile(
         skipped: 0,
         lookup_errors: 0,
     };
+    // `list-stale` has no cursor, and lists the outcome-unknown records
+    // whose lease still runs, which are left alone: when they fill a
+    // listing, it is read again, further each time, past those already
+    // seen in this run, until `limit` records are examined or the store
+    // has no more. Without this, enough live unknown outcomes ahead of a
+    // stale record would keep every run from reaching it.
     let now = env.now();
-    for rec in env.list_stale(biz_type, now, limit).map_err(store)? {
-        if rec.key.biz_type != biz_type {
-            return Err(corrupt(&rec, "list-stale returned another biz type"));
-        }
-        check_record(&rec, &rec.key)?;
-        let stale = match rec.status {
-            Status::Processing => !lease_live(&rec, now),
-            Status::OutcomeUnknown => true,
-            _ => false,
-        };
-        if !stale {
-            return Err(corrupt(
-                &rec,
-                "list-stale returned a record that is not stale",
-            ));
-        }
-        // An unknown outcome whose reporting owner's lease still runs is
-        // not examined yet: the action may still be landing, so a lookup
-        // that finds nothing now proves nothing, and releasing the key
-        // would let a retry run the action a second time. `begin` keeps
-        // the key blocked for that lease too.
-        if rec.status == Status::OutcomeUnknown && lease_live(&rec, now) {
-            continue;
-        }
-        report.examined += 1;
-        // Take the key over first, so that no other reconciler or request
-        // acts on it while the host is asked.
-        let owned = owned_by_next(&rec, env.now(), policy.lease_ms, false)?;
-        if let SwapOutcome::Stale(_) = env.compare_and_swap(rec.revision, &owned).map_err(store)? {
-            report.skipped += 1;
-            continue;
-        }
-        let found = find_result(env, &rec.key);
-        // The lookup may have taken a while: stamp the write with the time
-        // it is made.
-        let now = env.now();
-        let mut next = rewrite(&owned, now)?;
-        next.lease_until = None;
-        let outcome = match found {
-            Ok(Some(result)) => {
-                next = succeeded(&owned, now, policy, result.result_ref, result.response)?;
-                &mut report.succeeded
+    let mut want = limit;
+    let mut seen = BTreeSet::new();
+    while report.examined < limit {
+        let listed = env.list_stale(biz_type, now, want).map_err(store)?;
+        let exhausted = listed.len() < usize::try_from(want).unwrap_or(usize::MAX);
+        let mut new = false;
+        for rec in listed {
+            if rec.key.biz_type != biz_type {
+                return Err(corrupt(&rec, "list-stale returned another biz type"));
             }
-            Ok(None) if stale_mode(rec.status, policy) == ExpiredLease::Manual => {
-                next.status = Status::OutcomeUnknown;
-                &mut report.left_for_manual
+            check_record(&rec, &rec.key)?;
+            let stale = match rec.status {
+                Status::Processing => !lease_live(&rec, now),
+                Status::OutcomeUnknown => true,
+                _ => false,
+            };
+            if !stale {
+                return Err(corrupt(
+                    &rec,
+                    "list-stale returned a record that is not stale",
+                ));
             }
-            Ok(None) => {
-                next.status = Status::Released;
-                next.expires_at = Some(now.saturating_add(policy.retention_ms));
-                &mut report.released
+            if report.examined >= limit || !seen.insert(rec.id) {
+                continue;
             }
-            Err(_) => {
-                // Put the record back as it was, under the new token, so
-                // that it stays stale and is examined again next time.
-                next.status = rec.status;
-                next.lease_until = rec.lease_until;
-                &mut report.lookup_errors
+            new = true;
+            // An unknown outcome whose reporting owner's lease still runs
+            // is not examined yet: the action may still be landing, so a
+            // lookup that finds nothing now proves nothing, and releasing
+            // the key would let a retry run the action a second time.
+            // `begin` keeps the key blocked for that lease too.
+            if rec.status == Status::OutcomeUnknown && lease_live(&rec, now) {
+                continue;
             }
-        };
-        // Counted only once written: a request that took the key over
-        // during a slow lookup wins, and the record counts as skipped.
-        match env.compare_and_swap(owned.revision, &next).map_err(store)? {
-            SwapOutcome::Swapped => *outcome += 1,
-            SwapOutcome::Stale(_) => report.skipped += 1,
+            report.examined += 1;
+            settle_stale(env, &rec, policy, &mut report)?;
         }
+        if exhausted || !new {
+            break;
+        }
+        want = want.saturating_mul(RELIST_GROWTH);
     }
     Ok(report)
+}
+
+/// Takes over one stale record, asks the host for its business result and
+/// settles it by `policy`, counting what it did in `report`.
+fn settle_stale(
+    env: &impl Env,
+    rec: &StoredRecord,
+    policy: &Policy,
+    report: &mut ReconcileReport,
+) -> Result<(), EngineError> {
+    // Take the key over first, so that no other reconciler or request
+    // acts on it while the host is asked.
+    let owned = owned_by_next(rec, env.now(), policy.lease_ms, false)?;
+    if let SwapOutcome::Stale(_) = env.compare_and_swap(rec.revision, &owned).map_err(store)? {
+        report.skipped += 1;
+        return Ok(());
+    }
+    let found = find_result(env, &rec.key);
+    // The lookup may have taken a while: stamp the write with the time
+    // it is made.
+    let now = env.now();
+    let mut next = rewrite(&owned, now)?;
+    next.lease_until = None;
+    let outcome = match found {
+        Ok(Some(result)) => {
+            next = succeeded(&owned, now, policy, result.result_ref, result.response)?;
+            &mut report.succeeded
+        }
+        Ok(None) if stale_mode(rec.status, policy) == ExpiredLease::Manual => {
+            next.status = Status::OutcomeUnknown;
+            &mut report.left_for_manual
+        }
+        Ok(None) => {
+            next.status = Status::Released;
+            next.expires_at = Some(now.saturating_add(policy.retention_ms));
+            &mut report.released
+        }
+        Err(_) => {
+            // Put the record back as it was, under the new token, so
+            // that it stays stale and is examined again next time.
+            next.status = rec.status;
+            next.lease_until = rec.lease_until;
+            &mut report.lookup_errors
+        }
+    };
+    // Counted only once written: a request that took the key over
+    // during a slow lookup wins, and the record counts as skipped.
+    match env.compare_and_swap(owned.revision, &next).map_err(store)? {
+        SwapOutcome::Swapped => *outcome += 1,
+        SwapOutcome::Stale(_) => report.skipped += 1,
+    }
+    Ok(())
 }
 
 /// `engine.sweep`.

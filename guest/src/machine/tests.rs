@@ -926,6 +926,61 @@ fn reconcile_waits_out_the_lease_of_an_unknown_outcome() {
 }
 
 #[test]
+fn reconcile_reaches_stale_records_behind_live_unknown_outcomes() {
+    // `list-stale` lists every unknown outcome, oldest first, and those
+    // within their lease are left alone: five of them ahead of two stale
+    // processing records must not use up a run's limit of 2.
+    let p = Policy {
+        outcome_unknown: ExpiredLease::TakeOver,
+        ..policy()
+    };
+    let env = Fake::new();
+    let mut unknown = Vec::new();
+    for i in 0..5 {
+        let k = key(&format!("unknown-{i}"));
+        let t = start(&env, &k, &p);
+        let done = fail(
+            &env,
+            &t,
+            &p,
+            &failure("timeout"),
+            Disposition::OutcomeUnknown,
+        );
+        assert_eq!(done, Ok(Completion::Recorded(Status::OutcomeUnknown)));
+        unknown.push(k);
+        env.advance(1);
+    }
+    let stale = [key("stale-1"), key("stale-2")];
+    for k in &stale {
+        start(&env, k, &p);
+        env.advance(1);
+    }
+    // The stale records' leases have ended; the unknown outcomes' lease
+    // (of the attempts that reported them) is made to run on.
+    env.set_time(T0 + 2 * LEASE);
+    for k in &unknown {
+        env.edit(k, |r| r.lease_until = Some(T0 + 10 * LEASE));
+    }
+    let before: Vec<_> = unknown.iter().map(|k| env.record(k)).collect();
+    env.clear_calls();
+    let r = reconcile(&env, BIZ, &p, 2).expect("reconcile");
+    assert_eq!((r.examined, r.released), (2, 2), "{r:?}");
+    for k in &stale {
+        assert_eq!(env.record(k).expect("stale").status, Status::Released);
+    }
+    let after: Vec<_> = unknown.iter().map(|k| env.record(k)).collect();
+    assert_eq!(after, before, "a live unknown outcome was touched");
+    assert_eq!(env.count(Op::FindResult), 2);
+    // Listed again, further: 2, then 4, then 8 rows.
+    assert_eq!(env.count(Op::ListStale), 3);
+    // Nothing else is stale: the live unknown outcomes are listed again,
+    // and the run ends at the listing that comes back shorter than asked.
+    env.clear_calls();
+    assert_eq!(reconcile(&env, BIZ, &p, 2), Ok(empty_report()));
+    assert_eq!(env.count(Op::ListStale), 3);
+}
+
+#[test]
 fn an_unknown_outcome_without_a_lease_is_blocked_for_good() {
     let env = Fake::new();
     let p = policy();
