@@ -300,11 +300,11 @@ fn a_component_with_a_mismatched_import_is_refused_naming_it() -> Result<()> {
     // `store.get` with the wrong signature.
     let message = load_error(
         r#"(component
-             (import "idem:engine/store@0.3.0" (instance
+             (import "idem:engine/store@0.4.0" (instance
                (export "get" (func (param "key" u32) (result u32))))))"#,
     )?;
     ensure!(
-        message.contains("idem:engine/store@0.3.0") && message.contains("get"),
+        message.contains("idem:engine/store@0.4.0") && message.contains("get"),
         "{message}"
     );
     Ok(())
@@ -321,8 +321,8 @@ fn a_component_with_an_incomplete_export_is_refused_naming_it() -> Result<()> {
              (type $nothing (func))
              (func $begin (type $nothing) (canon lift (core func $i "begin")))
              (instance $engine (export "begin" (func $begin)))
-             (export "idem:engine/engine@0.3.0" (instance $engine)))"#,
+             (export "idem:engine/engine@0.4.0" (instance $engine)))"#,
     )?;
-    ensure!(message.contains("idem:engine/engine@0.3.0"), "{message}");
+    ensure!(message.contains("idem:engine/engine@0.4.0"), "{message}");
     Ok(())
 }

@@ -140,3 +140,43 @@ fn reconcile_without_a_lookup_refuses_and_changes_nothing() -> Result<()> {
     ensure!(engine.reconcile("order.create", &policy, 0)?.examined == 0);
     Ok(())
 }
+
+/// `reconcile` reads `list-stale` a bounded page at a time, each after the
+/// last record of the one before: however high its limit, no one listing
+/// copies more than a page of records into the guest, and each record is
+/// listed once.
+#[test]
+fn reconcile_lists_stale_records_a_bounded_page_at_a_time() -> Result<()> {
+    use idem::store::Op;
+    let store = MemoryStore::new();
+    let clock = idem::ManualClock::new(1_767_225_600_000);
+    let engine = Engine::builder()
+        .storage(store.clone())
+        .clock(clock.clone())
+        .results(|_: &idem::RecordKey| Ok::<Option<String>, idem::StoreError>(None))
+        .build()?;
+    let policy = idem::Policy::default();
+    // The guest's page (`MAX_STALE_PAGE`) is 100 records.
+    let crashed = 201;
+    for i in 0..crashed {
+        let req = idem::BeginRequest::json(
+            idem::RecordKey::new("tenant-1", "order.create", format!("k{i}")),
+            "{}",
+            policy.clone(),
+        );
+        ensure!(matches!(engine.begin(&req)?, idem::Decision::Execute(_)));
+        clock.advance(1);
+    }
+    clock.advance(policy.lease_ms);
+    let before = store.calls(Op::ListStale);
+    let report = engine.reconcile("order.create", &policy, u32::MAX)?;
+    ensure!(
+        (report.examined, report.released) == (crashed, crashed),
+        "{report:?}"
+    );
+    // Pages of 100, 100 and 1: the last, short, ends the run (a page of
+    // 101 or more would take two listings).
+    let listings = store.calls(Op::ListStale) - before;
+    ensure!(listings == 3, "{listings} listings");
+    Ok(())
+}

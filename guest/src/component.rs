@@ -8,7 +8,7 @@ use crate::bindings::exports::idem::engine::engine::{
     BeginRequest, Completion, Decision, Disposition, EngineError, Extension, Guest, KeyStatus,
     Policy, ReconcileReport, Resolution, Settlement, Ticket,
 };
-use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
+use crate::bindings::idem::engine::store::{InsertOutcome, StaleCursor, StoreError, SwapOutcome};
 use crate::bindings::idem::engine::types::{Failure, RecordKey, StoredRecord, Success, Timestamp};
 use crate::bindings::idem::engine::{clock, results, store};
 use crate::machine::{self, Env};
@@ -61,9 +61,10 @@ impl Env for Imports {
         &self,
         biz_type: &str,
         now: Timestamp,
+        after: Option<StaleCursor>,
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError> {
-        store::list_stale(biz_type, now, limit)
+        store::list_stale(biz_type, now, after, limit)
     }
     fn find_result(&self, key: &RecordKey) -> Result<Option<Success>, StoreError> {
         results::find_result(key)

@@ -39,7 +39,7 @@ use crate::bindings::exports::idem::engine::engine::{
     FailureMode, InProgressMode, KeyStatus, MismatchInfo, Policy, ReconcileReport, Replayed,
     Resolution, Settlement, Ticket, UnknownInfo,
 };
-use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
+use crate::bindings::idem::engine::store::{InsertOutcome, StaleCursor, StoreError, SwapOutcome};
 use crate::bindings::idem::engine::types::{
     Failure, RecordKey, Status, StoredRecord, Success, Timestamp,
 };
@@ -80,6 +80,7 @@ pub trait Env {
         &self,
         biz_type: &str,
         now: Timestamp,
+        after: Option<StaleCursor>,
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError>;
     /// `results.find-result`.
@@ -869,11 +870,13 @@ pub fn extend(env: &impl Env, t: &Ticket, policy: &Policy) -> Result<Extension, 
     })
 }
 
-/// How much further each re-listing of `reconcile` reaches when a full
-/// listing left fewer than `limit` records examined: doubling keeps the
-/// rows read within a small multiple of those a cursor would read, however
-/// many live unknown outcomes wait ahead of the stale records.
-const RELIST_GROWTH: u32 = 2;
+/// The most records one `list-stale` page of `reconcile` asks for. Every
+/// record of a page is copied into the guest's memory at once, and an
+/// outcome-unknown record keeps its failure, whose response may be large,
+/// so a page stays small next to the memory cap, while a run over
+/// thousands of records still takes few crossings of the component
+/// boundary.
+pub const MAX_STALE_PAGE: u32 = 100;
 
 /// `engine.reconcile`.
 pub fn reconcile(
@@ -892,39 +895,31 @@ pub fn reconcile(
         skipped: 0,
         lookup_errors: 0,
     };
-    // `list-stale` has no cursor, and lists the outcome-unknown records
-    // whose lease still runs, which are left alone: when they fill a
-    // listing, it is read again, further each time, past those already
-    // seen in this run, until `limit` records are examined or the store
-    // has no more. Without this, enough live unknown outcomes ahead of a
-    // stale record would keep every run from reaching it.
+    // Pages of `list-stale`, each after the last record of the one before,
+    // until `limit` records are examined or the store has no more. The
+    // outcome-unknown records whose lease still runs are listed but left
+    // alone; reading on past them is what keeps enough of them from
+    // hiding the stale records behind them from every run.
     let now = env.now();
-    let mut want = limit;
+    let page = limit.min(MAX_STALE_PAGE);
+    let mut after: Option<StaleCursor> = None;
+    // A record this run examined and rewrote without settling it (left
+    // for manual work, or put back after a failed lookup) gets a later
+    // `updated-at`, so a later page lists it again: it is examined once.
+    // At most `limit` ids.
     let mut seen = BTreeSet::new();
     while report.examined < limit {
-        let listed = env.list_stale(biz_type, now, want).map_err(store)?;
-        let exhausted = listed.len() < usize::try_from(want).unwrap_or(usize::MAX);
-        let mut new = false;
+        let listed = env.list_stale(biz_type, now, after, page).map_err(store)?;
+        let exhausted = listed.len() < usize::try_from(page).unwrap_or(usize::MAX);
         for rec in listed {
-            if rec.key.biz_type != biz_type {
-                return Err(corrupt(&rec, "list-stale returned another biz type"));
+            check_listed(&rec, biz_type, now, after)?;
+            after = Some(StaleCursor {
+                updated_at: rec.updated_at,
+                id: rec.id,
+            });
+            if report.examined >= limit {
+                break;
             }
-            check_record(&rec, &rec.key)?;
-            let stale = match rec.status {
-                Status::Processing => !lease_live(&rec, now),
-                Status::OutcomeUnknown => true,
-                _ => false,
-            };
-            if !stale {
-                return Err(corrupt(
-                    &rec,
-                    "list-stale returned a record that is not stale",
-                ));
-            }
-            if report.examined >= limit || !seen.insert(rec.id) {
-                continue;
-            }
-            new = true;
             // An unknown outcome whose reporting owner's lease still runs
             // is not examined yet: the action may still be landing, so a
             // lookup that finds nothing now proves nothing, and releasing
@@ -933,15 +928,52 @@ pub fn reconcile(
             if rec.status == Status::OutcomeUnknown && lease_live(&rec, now) {
                 continue;
             }
+            if !seen.insert(rec.id) {
+                continue;
+            }
             report.examined += 1;
             settle_stale(env, &rec, policy, &mut report)?;
         }
-        if exhausted || !new {
+        if exhausted {
             break;
         }
-        want = want.saturating_mul(RELIST_GROWTH);
     }
     Ok(report)
+}
+
+/// Checks a record `list-stale` returned against its contract: the biz
+/// type asked for, stale at `now`, and strictly after `after` (the last
+/// record listed before it) in (`updated-at`, `id`) order. A store that
+/// breaks the order could make a run skip records or never end.
+fn check_listed(
+    rec: &StoredRecord,
+    biz_type: &str,
+    now: Timestamp,
+    after: Option<StaleCursor>,
+) -> Result<(), EngineError> {
+    if rec.key.biz_type != biz_type {
+        return Err(corrupt(rec, "list-stale returned another biz type"));
+    }
+    check_record(rec, &rec.key)?;
+    let stale = match rec.status {
+        Status::Processing => !lease_live(rec, now),
+        Status::OutcomeUnknown => true,
+        _ => false,
+    };
+    if !stale {
+        return Err(corrupt(
+            rec,
+            "list-stale returned a record that is not stale",
+        ));
+    }
+    if after.is_some_and(|a| (rec.updated_at, rec.id) <= (a.updated_at, a.id)) {
+        return Err(corrupt(
+            rec,
+            "list-stale returned a record that is not after the one before it \
+             in (updated-at, id) order",
+        ));
+    }
+    Ok(())
 }
 
 /// Takes over one stale record, asks the host for its business result and

@@ -17,7 +17,7 @@ use crate::bindings::exports::idem::engine::engine::{
     BeginRequest, BodyKind, Completion, Decision, ExpiredLease, FailureMode, InProgressMode,
     KeyCharset, KeyFormat, Policy, WaitSpec,
 };
-use crate::bindings::idem::engine::store::{InsertOutcome, StoreError, SwapOutcome};
+use crate::bindings::idem::engine::store::{InsertOutcome, StaleCursor, StoreError, SwapOutcome};
 use crate::bindings::idem::engine::types::{RecordKey, Status, StoredRecord, Success, Timestamp};
 use crate::canonical::{Numbers, canonicalize, canonicalize_as, select};
 use crate::fingerprint::{fingerprint, fingerprint_of_version};
@@ -224,6 +224,7 @@ impl Env for MemoryEnv {
         &self,
         _biz_type: &str,
         _now: Timestamp,
+        _after: Option<StaleCursor>,
         _limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError> {
         Ok(Vec::new())

@@ -72,6 +72,11 @@ struct Fake {
     fail_next: RefCell<Option<(Option<Op>, StoreError)>>,
     /// When set, the next `list-stale` answers this instead.
     stale_answer: RefCell<Option<Vec<StoredRecord>>>,
+    /// Makes `list-stale` ignore its cursor (a store breaking the
+    /// contract): every page starts from the oldest record.
+    stale_ignores_cursor: Cell<bool>,
+    /// How many records `list-stale` has returned.
+    stale_listed: Cell<usize>,
     /// Every call, in order.
     calls: RefCell<Vec<Op>>,
     /// Every pause asked for.
@@ -103,6 +108,8 @@ impl Fake {
             find_fails_for: RefCell::new(BTreeSet::new()),
             fail_next: RefCell::new(None),
             stale_answer: RefCell::new(None),
+            stale_ignores_cursor: Cell::new(false),
+            stale_listed: Cell::new(0),
             calls: RefCell::new(Vec::new()),
             pauses: RefCell::new(Vec::new()),
             swaps: RefCell::new(Vec::new()),
@@ -313,17 +320,20 @@ impl Env for Fake {
         &self,
         biz_type: &str,
         now: Timestamp,
+        after: Option<StaleCursor>,
         limit: u32,
     ) -> Result<Vec<StoredRecord>, StoreError> {
         self.enter(Op::ListStale)?;
         if let Some(answer) = self.stale_answer.borrow_mut().take() {
             return Ok(answer);
         }
+        let after = after.filter(|_| !self.stale_ignores_cursor.get());
         let mut stale: Vec<StoredRecord> = self
             .records
             .borrow()
             .values()
             .filter(|rec| rec.key.biz_type == biz_type)
+            .filter(|rec| after.is_none_or(|a| (rec.updated_at, rec.id) > (a.updated_at, a.id)))
             .filter(|rec| match rec.status {
                 Status::Processing => rec.lease_until.is_some_and(|until| until <= now),
                 Status::OutcomeUnknown => true,
@@ -331,8 +341,9 @@ impl Env for Fake {
             })
             .cloned()
             .collect();
-        stale.sort_by_key(|rec| rec.updated_at);
+        stale.sort_by_key(|rec| (rec.updated_at, rec.id));
         stale.truncate(limit as usize);
+        self.stale_listed.set(self.stale_listed.get() + stale.len());
         Ok(stale)
     }
 
@@ -445,6 +456,22 @@ fn executed(d: Decision) -> Ticket {
 #[track_caller]
 fn start(env: &Fake, key: &RecordKey, policy: &Policy) -> Ticket {
     executed(decide(env, key, 1, policy))
+}
+
+/// Claims `key` and reports its outcome unknown, with the reporting
+/// attempt's lease made to run until `T0 + 10 * LEASE`: a record that
+/// `list-stale` lists and `reconcile` must leave alone until then.
+fn live_unknown_outcome(env: &Fake, key: &RecordKey, policy: &Policy) {
+    let t = start(env, key, policy);
+    let done = fail(
+        env,
+        &t,
+        policy,
+        &failure("timeout"),
+        Disposition::OutcomeUnknown,
+    );
+    assert_eq!(done, Ok(Completion::Recorded(Status::OutcomeUnknown)));
+    env.edit(key, |r| r.lease_until = Some(T0 + 10 * LEASE));
 }
 
 fn response(status: u16, body: &str) -> StoredResponse {
@@ -938,15 +965,7 @@ fn reconcile_reaches_stale_records_behind_live_unknown_outcomes() {
     let mut unknown = Vec::new();
     for i in 0..5 {
         let k = key(&format!("unknown-{i}"));
-        let t = start(&env, &k, &p);
-        let done = fail(
-            &env,
-            &t,
-            &p,
-            &failure("timeout"),
-            Disposition::OutcomeUnknown,
-        );
-        assert_eq!(done, Ok(Completion::Recorded(Status::OutcomeUnknown)));
+        live_unknown_outcome(&env, &k, &p);
         unknown.push(k);
         env.advance(1);
     }
@@ -956,11 +975,8 @@ fn reconcile_reaches_stale_records_behind_live_unknown_outcomes() {
         env.advance(1);
     }
     // The stale records' leases have ended; the unknown outcomes' lease
-    // (of the attempts that reported them) is made to run on.
+    // (of the attempts that reported them) runs on.
     env.set_time(T0 + 2 * LEASE);
-    for k in &unknown {
-        env.edit(k, |r| r.lease_until = Some(T0 + 10 * LEASE));
-    }
     let before: Vec<_> = unknown.iter().map(|k| env.record(k)).collect();
     env.clear_calls();
     let r = reconcile(&env, BIZ, &p, 2).expect("reconcile");
@@ -971,13 +987,86 @@ fn reconcile_reaches_stale_records_behind_live_unknown_outcomes() {
     let after: Vec<_> = unknown.iter().map(|k| env.record(k)).collect();
     assert_eq!(after, before, "a live unknown outcome was touched");
     assert_eq!(env.count(Op::FindResult), 2);
-    // Listed again, further: 2, then 4, then 8 rows.
-    assert_eq!(env.count(Op::ListStale), 3);
-    // Nothing else is stale: the live unknown outcomes are listed again,
-    // and the run ends at the listing that comes back shorter than asked.
+    // Pages of 2, each after the last: [u0 u1] [u2 u3] [u4 s1] [s2], so
+    // every record was read once.
+    assert_eq!(env.count(Op::ListStale), 4);
+    assert_eq!(env.stale_listed.get(), 7);
+    // Nothing else is stale: the live unknown outcomes are read once more,
+    // and the run ends at the page that comes back shorter than asked.
     env.clear_calls();
+    env.stale_listed.set(0);
     assert_eq!(reconcile(&env, BIZ, &p, 2), Ok(empty_report()));
     assert_eq!(env.count(Op::ListStale), 3);
+    assert_eq!(env.stale_listed.get(), 5);
+}
+
+#[test]
+fn reconcile_reads_pages_of_at_most_max_stale_page_records() {
+    // However large the limit, one listing copies at most a page of
+    // records into the guest, and the run still reaches every record.
+    let p = policy();
+    let env = Fake::new();
+    let n = MAX_STALE_PAGE as usize * 2 + 5;
+    for i in 0..n {
+        start(&env, &key(&format!("k{i}")), &p);
+    }
+    env.set_time(T0 + 2 * LEASE);
+    env.clear_calls();
+    let r = reconcile(&env, BIZ, &p, u32::MAX).expect("reconcile");
+    assert_eq!((r.examined, r.released), (n as u32, n as u32), "{r:?}");
+    assert_eq!(env.count(Op::ListStale), 3);
+    assert_eq!(env.stale_listed.get(), n);
+}
+
+#[test]
+fn reconcile_examines_a_record_it_put_back_once() {
+    // A failed lookup puts the record back with a later `updated-at`, so a
+    // later page lists it again: it is not examined a second time.
+    let p = Policy {
+        outcome_unknown: ExpiredLease::TakeOver,
+        ..policy()
+    };
+    let env = Fake::new();
+    let stale = key("stale");
+    start(&env, &stale, &p);
+    env.advance(1);
+    for i in 0..2 {
+        live_unknown_outcome(&env, &key(&format!("unknown-{i}")), &p);
+    }
+    env.set_time(T0 + 2 * LEASE);
+    env.find_fails.set(true);
+    env.clear_calls();
+    // Pages of 3: [stale u0 u1], then [stale], put back after u1.
+    let r = reconcile(&env, BIZ, &p, 3).expect("reconcile");
+    assert_eq!((r.examined, r.lookup_errors), (1, 1), "{r:?}");
+    assert_eq!(env.count(Op::FindResult), 1);
+    assert_eq!(env.count(Op::ListStale), 2);
+    assert_eq!(
+        env.record(&stale).expect("stored").status,
+        Status::Processing
+    );
+}
+
+#[test]
+fn reconcile_rejects_a_store_that_ignores_the_cursor() {
+    // A store that lists from the start again would make a run read the
+    // same page forever: the record that is not after the cursor is
+    // corrupt, and nothing more is written.
+    let p = Policy {
+        outcome_unknown: ExpiredLease::TakeOver,
+        ..policy()
+    };
+    let env = Fake::new();
+    for i in 0..3 {
+        live_unknown_outcome(&env, &key(&format!("unknown-{i}")), &p);
+    }
+    env.stale_ignores_cursor.set(true);
+    env.clear_calls();
+    let before = env.snapshot();
+    let why = corrupt_err(reconcile(&env, BIZ, &p, 2));
+    assert!(why.contains("not after"), "{why}");
+    assert_eq!(env.snapshot(), before);
+    assert_eq!(env.count(Op::Cas), 0);
 }
 
 #[test]

@@ -102,6 +102,8 @@ from_parts! {
         result_ref: Option<String>, response: Option<wit_types::StoredResponse>,
         failure: Option<wit_types::Failure>,
     }
+    crate::store::StaleCursor { updated_at: u64, id: u64 }
+    wit_store::StaleCursor { updated_at: u64, id: u64 }
     api::KeyFormat { min_length: u32, max_length: u32, charset: api::KeyCharset }
     wit_engine::KeyFormat { min_length: u32, max_length: u32, charset: wit_engine::KeyCharset }
     api::WaitSpec { max_wait_ms: u64, poll_interval_ms: u64 }
@@ -169,6 +171,7 @@ structs! {
         id, key, fingerprint, fingerprint_version, status, fencing_token, revision, attempts,
         lease_until, created_at, updated_at, expires_at, result_ref, response, failure,
     }
+    crate::store::StaleCursor => wit_store::StaleCursor { updated_at, id }
     api::KeyFormat => wit_engine::KeyFormat { min_length, max_length, charset }
     api::WaitSpec => wit_engine::WaitSpec { max_wait_ms, poll_interval_ms }
     api::Policy => wit_engine::Policy {

@@ -179,9 +179,12 @@ impl wit_store::Host for IdemCtx {
         &mut self,
         biz_type: String,
         now: u64,
+        after: Option<wit_store::StaleCursor>,
         limit: u32,
     ) -> Result<Vec<wit_types::StoredRecord>, wit_store::StoreError> {
-        self.storage.list_stale(&biz_type, now, limit).conv()
+        self.storage
+            .list_stale_after(&biz_type, now, after.conv(), limit)
+            .conv()
     }
 }
 

@@ -430,7 +430,7 @@ impl Engine {
     }
 
     /// The names of the component's imports, as `interface#function`-free
-    /// instance names (e.g. `idem:engine/store@0.3.0`).
+    /// instance names (e.g. `idem:engine/store@0.4.0`).
     pub fn component_imports(&self) -> Vec<String> {
         let engine = &self.shared.loaded.engine;
         let component = self.shared.loaded.pre.instance_pre().component();

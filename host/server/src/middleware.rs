@@ -71,7 +71,7 @@ use idem_engine::bindings::{Conv, wit_types};
 use idem_engine::bounds::{Flavor, Guard, GuestBounds, Stopped};
 use idem_engine::clock::Clock;
 use idem_engine::engine::{NoLookup, ResultLookup};
-use idem_engine::{store::Storage, store::StoreError, types};
+use idem_engine::{store::StaleCursor, store::Storage, store::StoreError, types};
 use idem_layer::response::closing;
 
 use crate::proxy::config::{
@@ -295,10 +295,15 @@ impl wit_store::Host for State {
         &mut self,
         biz_type: String,
         now: u64,
+        after: Option<wit_store::StaleCursor>,
         limit: u32,
     ) -> StoreAnswer<Vec<wit_types::StoredRecord>> {
         let storage = self.storage.clone();
-        let answer = blocking(move || storage.list_stale(&biz_type, now, limit)).await;
+        let after = after.map(|a| StaleCursor {
+            updated_at: a.updated_at,
+            id: a.id,
+        });
+        let answer = blocking(move || storage.list_stale_after(&biz_type, now, after, limit)).await;
         Ok(answer.map(Conv::conv).map_err(Into::into))
     }
 }
@@ -740,9 +745,9 @@ mod tests {
         let imports: Vec<String> = ty.imports(&engine).map(|(n, _)| n.to_string()).collect();
         let exports: Vec<String> = ty.exports(&engine).map(|(n, _)| n.to_string()).collect();
         for name in [
-            "idem:engine/store@0.3.0",
-            "idem:engine/clock@0.3.0",
-            "idem:engine/http-bridge@0.3.0",
+            "idem:engine/store@0.4.0",
+            "idem:engine/clock@0.4.0",
+            "idem:engine/http-bridge@0.4.0",
             "wasi:http/types@0.2.12",
             "wasi:http/incoming-handler@0.2.12",
         ] {
@@ -761,7 +766,7 @@ mod tests {
                 .iter()
                 .any(|e| e == "wasi:http/incoming-handler@0.2.12")
         );
-        assert!(exports.iter().any(|e| e == "idem:engine/engine@0.3.0"));
+        assert!(exports.iter().any(|e| e == "idem:engine/engine@0.4.0"));
     }
 
     #[test]

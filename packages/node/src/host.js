@@ -92,8 +92,9 @@ function guard(op, f) {
 
 /**
  * Instantiates `component` (from loadComponent) over `store` (an object with
- * insertIfAbsent, get, compareAndSwap, deleteExpired, listStale, in jco's
- * shapes), `clock` ({ now(): bigint, pause(ms: bigint) }) and `results`
+ * insertIfAbsent, get, compareAndSwap, deleteExpired, listStale (bizType,
+ * now, after, limit: `after` is undefined or the { updatedAt, id } of the
+ * last record of the page before), in jco's shapes), `clock` ({ now(): bigint, pause(ms: bigint) }) and `results`
  * ({ findResult(key) }, answering as `foundIn` reads). Returns the raw
  * `engine` export.
  */
@@ -103,18 +104,18 @@ export function instantiateEngine(component, { store, clock, results }) {
     get: guard("get", (k) => store.get(k)),
     compareAndSwap: guard("compare-and-swap", (r, x) => store.compareAndSwap(r, x)),
     deleteExpired: guard("delete-expired", (n, l) => store.deleteExpired(n, l)),
-    listStale: guard("list-stale", (b, n, l) => store.listStale(b, n, l)),
+    listStale: guard("list-stale", (b, n, a, l) => store.listStale(b, n, a, l)),
   };
   const c = { now: () => BigInt(clock.now()), pause: (d) => clock.pause(d) };
   const r = { findResult: guard("find-result", (k) => foundIn(results.findResult(k))) };
   const imports = {
-    "idem:engine/store": s, "idem:engine/store@0.3.0": s,
-    "idem:engine/clock": c, "idem:engine/clock@0.3.0": c,
-    "idem:engine/results": r, "idem:engine/results@0.3.0": r,
-    "idem:engine/types": {}, "idem:engine/types@0.3.0": {},
+    "idem:engine/store": s, "idem:engine/store@0.4.0": s,
+    "idem:engine/clock": c, "idem:engine/clock@0.4.0": c,
+    "idem:engine/results": r, "idem:engine/results@0.4.0": r,
+    "idem:engine/types": {}, "idem:engine/types@0.4.0": {},
   };
   const exports = component.instantiate(component.getCoreModule, imports);
-  return exports.engine ?? exports["idem:engine/engine@0.3.0"];
+  return exports.engine ?? exports["idem:engine/engine@0.4.0"];
 }
 
 // ------------------------------------------------------------ policy

@@ -49,12 +49,14 @@ const SQL_DELETE_EXPIRED = `DELETE FROM idempotency_record WHERE id IN (
         ORDER BY expires_at, id
         LIMIT ?)`;
 const SQL_LIST_STALE = `SELECT ${COLUMNS} FROM idempotency_record
-        WHERE biz_type = ? AND status = 'processing' AND lease_until <= ?
+        WHERE biz_type = :biz AND status = 'processing' AND lease_until <= :now
+            AND (updated_at, id) > (:afterAt, :afterId)
     UNION ALL
     SELECT ${COLUMNS} FROM idempotency_record
-        WHERE biz_type = ? AND status = 'outcome-unknown'
+        WHERE biz_type = :biz AND status = 'outcome-unknown'
+            AND (updated_at, id) > (:afterAt, :afterId)
     ORDER BY updated_at, id
-    LIMIT ?`;
+    LIMIT :limit`;
 
 const STATUSES = new Set(["processing", "succeeded", "failed", "released", "outcome-unknown"]);
 
@@ -77,6 +79,10 @@ function i64(v, field) {
   if (b > I64_MAX) throw new StoreError("rejected", `${field} = ${b} is above ${I64_MAX}, the largest integer SQLite stores`);
   return b;
 }
+
+// A time or id beyond SQLite's integers compares as its largest one, as the
+// Rust store's `saturate` does.
+const clampI64 = (v) => (BigInt(v) > I64_MAX ? I64_MAX : BigInt(v));
 
 const optI64 = (v, field) => (v === undefined || v === null ? null : i64(v, field));
 
@@ -310,14 +316,23 @@ export class SqliteStore {
 
   /** `store.delete-expired`. */
   deleteExpired(now, limit) {
-    const bound = BigInt(now) > I64_MAX ? I64_MAX : BigInt(now);
-    return this.#read(() => this.stmts.deleteExpired.run(bound, BigInt(limit)).changes);
+    return this.#read(() => this.stmts.deleteExpired.run(clampI64(now), BigInt(limit)).changes);
   }
 
-  /** `store.list-stale`, oldest `updated_at` first. */
-  listStale(bizType, now, limit) {
-    const bound = BigInt(now) > I64_MAX ? I64_MAX : BigInt(now);
-    return this.#read(() => this.stmts.listStale.all(bizType, bound, bizType, BigInt(limit)).map(decodeRow));
+  /**
+   * `store.list-stale`: oldest (`updated_at`, `id`) first, strictly after
+   * `after` ({ updatedAt, id }) when given.
+   */
+  listStale(bizType, now, after, limit) {
+    const params = {
+      biz: bizType,
+      now: clampI64(now),
+      // Before every stored row (times and ids are never negative).
+      afterAt: after ? clampI64(after.updatedAt) : -1n,
+      afterId: after ? clampI64(after.id) : -1n,
+      limit: BigInt(limit),
+    };
+    return this.#read(() => this.stmts.listStale.all(params).map(decodeRow));
   }
 
   /** How many records the file holds. */

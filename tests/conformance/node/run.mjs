@@ -151,9 +151,10 @@ class MockStore {
         for (const [k] of expired) this.records.delete(k);
         return expired.length;
       }),
-      listStale: (bizType, now, limit) => this.run("list-stale", () =>
+      listStale: (bizType, now, after, limit) => this.run("list-stale", () =>
         [...this.records.values()]
           .filter((r) => r.key.bizType === bizType)
+          .filter((r) => !after || r.updatedAt > after.updatedAt || (r.updatedAt === after.updatedAt && r.id > after.id))
           .filter((r) => (r.status === "processing" && r.leaseUntil !== undefined && r.leaseUntil !== null && r.leaseUntil <= now)
             || r.status === "outcome-unknown")
           .sort((a, b) => (a.updatedAt === b.updatedAt ? cmp(a.id, b.id) : cmp(a.updatedAt, b.updatedAt)))
@@ -196,7 +197,7 @@ class SqliteBacked {
       get: (k) => this.faults.run("get", () => s.get(k)),
       compareAndSwap: (r, x) => this.faults.run("compare-and-swap", () => s.compareAndSwap(r, x)),
       deleteExpired: (n, l) => this.faults.run("delete-expired", () => s.deleteExpired(n, l)),
-      listStale: (b, n, l) => this.faults.run("list-stale", () => s.listStale(b, n, l)),
+      listStale: (b, n, a, l) => this.faults.run("list-stale", () => s.listStale(b, n, a, l)),
     };
   }
 }

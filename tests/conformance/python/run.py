@@ -170,12 +170,14 @@ class MockStore:
 
         return self.run("delete-expired", op)
 
-    def list_stale(self, biz_type, now, limit):
+    def list_stale(self, biz_type, now, after, limit):
         def op():
+            start = None if after is None else (get(after, "updated-at"), after.id)
             stale = [
                 r
                 for r in self.records.values()
                 if get(get(r, "key"), "biz-type") == biz_type
+                and (start is None or (get(r, "updated-at"), r.id) > start)
                 and (
                     (r.status == "processing" and get(r, "lease-until") is not None and get(r, "lease-until") <= now)
                     or r.status == "outcome-unknown"
@@ -228,8 +230,8 @@ class SqliteBacked:
     def delete_expired(self, now, limit):
         return self.faults.run("delete-expired", lambda: self.sqlite.delete_expired(now, limit))
 
-    def list_stale(self, biz_type, now, limit):
-        return self.faults.run("list-stale", lambda: self.sqlite.list_stale(biz_type, now, limit))
+    def list_stale(self, biz_type, now, after, limit):
+        return self.faults.run("list-stale", lambda: self.sqlite.list_stale(biz_type, now, after, limit))
 
 
 class Clock:

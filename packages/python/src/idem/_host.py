@@ -22,7 +22,7 @@ from wasmtime import _ffi as ffi
 from wasmtime.component import Component, Linker, Record, Variant
 from wasmtime.component._types import ListType, ResultType
 
-PACKAGE = "idem:engine/{}@0.3.0"
+PACKAGE = "idem:engine/{}@0.4.0"
 # The largest integer a SQL column holds.
 I64_MAX = (1 << 63) - 1
 
@@ -1286,8 +1286,9 @@ class Runtime:
 
     def linker(self, store: Any, clock: Any, results: Any) -> Linker:
         """A linker whose imports call `store` (insert_if_absent, get,
-        compare_and_swap, delete_expired, list_stale, in the component's
-        values), `clock` (now() -> int, pause(ms)) and `results`
+        compare_and_swap, delete_expired, list_stale(biz_type, now, after,
+        limit), where `after` is None or a `stale-cursor` record, in the
+        component's values), `clock` (now() -> int, pause(ms)) and `results`
         (find_result(key) -> None | str | Success | Response, read by
         `found_in`)."""
         linker = Linker(self.engine)
@@ -1297,7 +1298,7 @@ class Runtime:
                 _add_import(s, "get", _guarded("get", lambda k: store.get(k)))
                 _add_import(s, "compare-and-swap", _guarded("compare-and-swap", lambda rev, r: store.compare_and_swap(rev, r)))
                 _add_import(s, "delete-expired", _guarded("delete-expired", lambda now, limit: store.delete_expired(now, limit)))
-                _add_import(s, "list-stale", _guarded("list-stale", lambda b, now, limit: store.list_stale(b, now, limit)))
+                _add_import(s, "list-stale", _guarded("list-stale", lambda b, now, after, limit: store.list_stale(b, now, after, limit)))
             with root.add_instance(PACKAGE.format("clock")) as c:
                 _add_import(c, "now", lambda _s: int(clock.now()))
                 _add_import(c, "pause", lambda _s, d: clock.pause(d))

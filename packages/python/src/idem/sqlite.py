@@ -73,9 +73,11 @@ SQL_DELETE_EXPIRED = """DELETE FROM idempotency_record WHERE id IN (
         LIMIT ?2)"""
 SQL_LIST_STALE = f"""SELECT {COLUMNS} FROM idempotency_record
         WHERE biz_type = ?1 AND status = 'processing' AND lease_until <= ?2
+            AND (updated_at, id) > (?4, ?5)
     UNION ALL
     SELECT {COLUMNS} FROM idempotency_record
         WHERE biz_type = ?1 AND status = 'outcome-unknown'
+            AND (updated_at, id) > (?4, ?5)
     ORDER BY updated_at, id
     LIMIT ?3"""
 
@@ -378,9 +380,15 @@ class SqliteStore:
         """`store.delete-expired`."""
         return self._read(lambda c: c.execute(SQL_DELETE_EXPIRED, (min(now, I64_MAX), limit)).rowcount)
 
-    def list_stale(self, biz_type: str, now: int, limit: int) -> list[Record]:
-        """`store.list-stale`, oldest `updated_at` first."""
-        return self._read(lambda c: [decode_row(r) for r in c.execute(SQL_LIST_STALE, (biz_type, min(now, I64_MAX), limit))])
+    def list_stale(self, biz_type: str, now: int, after: Any, limit: int) -> list[Record]:
+        """`store.list-stale`: oldest (`updated_at`, `id`) first, strictly
+        after `after` (a `stale-cursor` record: `updated-at`, `id`) when
+        given."""
+        # Without a cursor, before every stored row (times and ids are never
+        # negative); beyond SQLite's integers, its largest one.
+        after_at, after_id = (-1, -1) if after is None else (min(get(after, "updated-at"), I64_MAX), min(after.id, I64_MAX))
+        params = (biz_type, min(now, I64_MAX), limit, after_at, after_id)
+        return self._read(lambda c: [decode_row(r) for r in c.execute(SQL_LIST_STALE, params)])
 
     def count(self) -> int:
         """How many records the file holds."""
