@@ -39,7 +39,8 @@ use postgres::{Client, NoTls, Statement};
 
 use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    RecordColumns, RecordRow, TransactionSlot, cursor_values, parse_status, saturate, to_u64,
+    COLUMNS, RecordColumns, RecordRow, TransactionSlot, column_name, cursor_values, parse_status,
+    saturate, to_u64,
 };
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
@@ -101,32 +102,6 @@ const MIGRATIONS: &[&str] = &[
         'JSON {status, headers: [[name, base64]], body: base64}; arrays of numbers before schema version 2';
     COMMENT ON COLUMN {schema}.idempotency_record.failure IS
         'JSON {code, message, response}; the response as in the response column';"#,
-];
-
-/// The record columns in the order [`decode_row`] reads them.
-const COLUMNS: &str = "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, \
-     status, fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, \
-     result_ref, response, failure";
-
-/// Names of the columns in [`COLUMNS`], for error messages.
-const COLUMN_NAMES: [&str; 17] = [
-    "id",
-    "scope_key",
-    "biz_type",
-    "idem_key",
-    "request_hash",
-    "fingerprint_version",
-    "status",
-    "fencing_token",
-    "revision",
-    "attempts",
-    "lease_until",
-    "created_at",
-    "updated_at",
-    "expires_at",
-    "result_ref",
-    "response",
-    "failure",
 ];
 
 /// How often insert-if-absent tries again when the row that refused its
@@ -1229,10 +1204,6 @@ fn check_text(value: &str, field: &str) -> Result<(), StoreError> {
         )));
     }
     Ok(())
-}
-
-fn column_name(index: usize) -> &'static str {
-    COLUMN_NAMES.get(index).copied().unwrap_or("?")
 }
 
 /// Reads column `index` of a row, naming it in any error.

@@ -24,9 +24,11 @@ use std::time::{Duration, Instant};
 use rusqlite::types::FromSql;
 use rusqlite::{Connection, ErrorCode, OpenFlags, ToSql, TransactionBehavior};
 
+use idem_engine::record_columns;
 use idem_engine::store::StaleCursor;
 use idem_engine::store::sql::{
-    RecordColumns, RecordRow, TransactionSlot, cursor_values, parse_status, saturate, to_u64,
+    RecordColumns, RecordRow, TransactionSlot, column_name, cursor_values, parse_status, saturate,
+    to_u64,
 };
 use idem_engine::types::{InsertOutcome, RecordKey, Status, StoredRecord, SwapOutcome, Timestamp};
 use idem_engine::{
@@ -46,36 +48,6 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../schema/3.sql"),
 ];
 
-/// The record columns in the order [`decode_row`] reads them.
-macro_rules! columns {
-    () => {
-        "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, \
-         fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, \
-         result_ref, response, failure"
-    };
-}
-
-/// Names of the columns in [`columns!`], for error messages.
-const COLUMN_NAMES: [&str; 17] = [
-    "id",
-    "scope_key",
-    "biz_type",
-    "idem_key",
-    "request_hash",
-    "fingerprint_version",
-    "status",
-    "fencing_token",
-    "revision",
-    "attempts",
-    "lease_until",
-    "created_at",
-    "updated_at",
-    "expires_at",
-    "result_ref",
-    "response",
-    "failure",
-];
-
 const SQL_INSERT: &str = "INSERT INTO idempotency_record (
         scope_key, biz_type, idem_key, request_hash, fingerprint_version, status,
         fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at,
@@ -85,7 +57,7 @@ const SQL_INSERT: &str = "INSERT INTO idempotency_record (
 
 const SQL_GET: &str = concat!(
     "SELECT ",
-    columns!(),
+    record_columns!(),
     " FROM idempotency_record WHERE scope_key = ?1 AND biz_type = ?2 AND idem_key = ?3"
 );
 
@@ -108,13 +80,13 @@ pub(crate) const SQL_DELETE_EXPIRED: &str = "DELETE FROM idempotency_record WHER
 
 pub(crate) const SQL_LIST_STALE: &str = concat!(
     "SELECT ",
-    columns!(),
+    record_columns!(),
     " FROM idempotency_record
         WHERE biz_type = ?1 AND status = 'processing' AND lease_until <= ?2
             AND (updated_at, id) > (?4, ?5)
     UNION ALL
     SELECT ",
-    columns!(),
+    record_columns!(),
     " FROM idempotency_record
         WHERE biz_type = ?1 AND status = 'outcome-unknown'
             AND (updated_at, id) > (?4, ?5)
@@ -1126,18 +1098,14 @@ impl<'a> EncodedRecord<'a> {
     }
 }
 
-/// Reads column `index` of [`columns!`], naming it in any error.
+/// Reads column `index` of [`record_columns!`], naming it in any error.
 fn column<T: FromSql>(row: &rusqlite::Row<'_>, index: usize) -> Result<T, StoreError> {
     row.get(index).map_err(|e| {
         StoreError::Internal(format!("column {} cannot be read: {e}", column_name(index)))
     })
 }
 
-fn column_name(index: usize) -> &'static str {
-    COLUMN_NAMES.get(index).copied().unwrap_or("?")
-}
-
-/// Decodes one row selected with [`columns!`].
+/// Decodes one row selected with [`record_columns!`].
 fn decode_row(row: &rusqlite::Row<'_>) -> Result<StoredRecord, StoreError> {
     RecordRow {
         id: column(row, 0)?,

@@ -10,6 +10,49 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use super::{StaleCursor, StoreError};
 use crate::types::{Failure, RecordKey, Status, StoredRecord, StoredResponse};
 
+/// The record table's columns, `id` to `failure`, as one SQL list in the
+/// order [`RecordRow`] holds them: a backend selects them and reads column
+/// `i` into field `i`. A macro, so that a backend can `concat!` it into
+/// its statements at compile time; [`COLUMNS`] is the same as a constant.
+#[macro_export]
+macro_rules! record_columns {
+    () => {
+        "id, scope_key, biz_type, idem_key, request_hash, fingerprint_version, status, \
+         fencing_token, revision, attempts, lease_until, created_at, updated_at, expires_at, \
+         result_ref, response, failure"
+    };
+}
+
+/// [`record_columns!`] as a constant.
+pub const COLUMNS: &str = record_columns!();
+
+/// The names in [`COLUMNS`], by index.
+pub const COLUMN_NAMES: [&str; 17] = [
+    "id",
+    "scope_key",
+    "biz_type",
+    "idem_key",
+    "request_hash",
+    "fingerprint_version",
+    "status",
+    "fencing_token",
+    "revision",
+    "attempts",
+    "lease_until",
+    "created_at",
+    "updated_at",
+    "expires_at",
+    "result_ref",
+    "response",
+    "failure",
+];
+
+/// The name of column `index` of [`COLUMNS`], for an error message; `?`
+/// past the last.
+pub fn column_name(index: usize) -> &'static str {
+    COLUMN_NAMES.get(index).copied().unwrap_or("?")
+}
+
 /// `value` as a signed 64-bit column value; a larger value is refused
 /// ([`StoreError::Rejected`]), naming `field` and `limit` (what the
 /// database can store).
@@ -416,6 +459,13 @@ impl RecordRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_column_names_are_the_column_list() {
+        assert_eq!(COLUMN_NAMES.join(", "), COLUMNS);
+        assert_eq!(column_name(14), "result_ref");
+        assert_eq!(column_name(17), "?");
+    }
 
     #[test]
     fn a_transaction_slot_refuses_every_call_once_taken() {
