@@ -233,6 +233,15 @@ impl From<StoreError> for wit_store::StoreError {
     }
 }
 
+impl From<wit_store::StaleCursor> for StaleCursor {
+    fn from(c: wit_store::StaleCursor) -> Self {
+        StaleCursor {
+            updated_at: c.updated_at,
+            id: c.id,
+        }
+    }
+}
+
 impl From<types::InsertOutcome> for wit_store::InsertOutcome {
     fn from(o: types::InsertOutcome) -> Self {
         match o {
@@ -299,10 +308,7 @@ impl wit_store::Host for State {
         limit: u32,
     ) -> StoreAnswer<Vec<wit_types::StoredRecord>> {
         let storage = self.storage.clone();
-        let after = after.map(|a| StaleCursor {
-            updated_at: a.updated_at,
-            id: a.id,
-        });
+        let after = after.map(StaleCursor::from);
         let answer = blocking(move || storage.list_stale_after(&biz_type, now, after, limit)).await;
         Ok(answer.map(Conv::conv).map_err(Into::into))
     }

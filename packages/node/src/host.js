@@ -92,11 +92,11 @@ function guard(op, f) {
 
 /**
  * Instantiates `component` (from loadComponent) over `store` (an object with
- * insertIfAbsent, get, compareAndSwap, deleteExpired, listStale (bizType,
- * now, after, limit: `after` is undefined or the { updatedAt, id } of the
- * last record of the page before), in jco's shapes), `clock` ({ now(): bigint, pause(ms: bigint) }) and `results`
- * ({ findResult(key) }, answering as `foundIn` reads). Returns the raw
- * `engine` export.
+ * insertIfAbsent, get, compareAndSwap, deleteExpired and listStale, in jco's
+ * shapes; listStale(bizType, now, after, limit) gets `after` undefined or
+ * the { updatedAt, id } of the last record of the page before), `clock`
+ * ({ now(): bigint, pause(ms: bigint) }) and `results` ({ findResult(key) },
+ * answering as `foundIn` reads). Returns the raw `engine` export.
  */
 export function instantiateEngine(component, { store, clock, results }) {
   const s = {
