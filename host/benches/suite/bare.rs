@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use idem::{RecordKey, SqliteOptions, SqliteStore};
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use crate::common::Path;
 
@@ -30,8 +30,8 @@ const INSERT: &str = "INSERT INTO idempotency_record (scope_key, biz_type, idem_
     ON CONFLICT (scope_key, biz_type, idem_key) DO NOTHING RETURNING id";
 
 const SETTLE: &str = "UPDATE idempotency_record SET status = 'succeeded', revision = 2, \
-    lease_until = NULL, expires_at = ?2, updated_at = ?3, result_ref = ?4 \
-    WHERE id = ?1 AND revision = 1";
+    lease_until = NULL, expires_at = ?2, updated_at = ?3, result_ref = ?4, \
+    response = ?5 WHERE id = ?1 AND revision = 1";
 
 const SELECT: &str = "SELECT id, scope_key, biz_type, idem_key, request_hash, \
     fingerprint_version, status, fencing_token, revision, attempts, lease_until, created_at, \
@@ -62,54 +62,83 @@ impl Bare {
     pub fn op(&self, path: Path, key: &RecordKey) -> Result<()> {
         match path {
             Path::NewKey => {
-                let now = now_ms();
-                let id: i64 = self.conn.prepare_cached(INSERT)?.query_row(
-                    params![
-                        key.scope,
-                        key.biz_type,
-                        key.idem_key,
-                        FINGERPRINT,
-                        now + 60_000,
-                        now
-                    ],
-                    |r| r.get(0),
-                )?;
-                let n = self.conn.prepare_cached(SETTLE)?.execute(params![
-                    id,
-                    now + 86_400_000,
-                    now,
-                    "order-1"
-                ])?;
-                ensure!(n == 1, "the baseline's update changed {n} rows");
-            }
-            Path::Replay | Path::Mismatch => {
-                let mut stmt = self.conn.prepare_cached(SELECT)?;
-                let mut rows = stmt.query(params![key.scope, key.biz_type, key.idem_key])?;
-                let row = rows.next()?;
-                ensure!(row.is_some(), "stored key {key:?} missing");
-                if let Some(row) = row {
-                    // Read every column, as the store decodes the record.
-                    let _: (i64, String, String, String, String) = (
-                        row.get(0)?,
-                        row.get(1)?,
-                        row.get(2)?,
-                        row.get(3)?,
-                        row.get(4)?,
-                    );
-                    let _: (i64, String, i64, i64, i64, Option<i64>) = (
-                        row.get(5)?,
-                        row.get(6)?,
-                        row.get(7)?,
-                        row.get(8)?,
-                        row.get(9)?,
-                        row.get(10)?,
-                    );
-                    let _: (i64, i64, Option<i64>, Option<String>) =
-                        (row.get(11)?, row.get(12)?, row.get(13)?, row.get(14)?);
-                    let _: (Option<Vec<u8>>, Option<Vec<u8>>) = (row.get(15)?, row.get(16)?);
+                let id = self.claim(key)?;
+                ensure!(id.is_some(), "new key {key:?} already stored");
+                if let Some(id) = id {
+                    self.settle(id, Some("order-1"), None)?;
                 }
             }
+            Path::Replay | Path::Mismatch => {
+                ensure!(self.find(key)?.is_some(), "stored key {key:?} missing");
+            }
         }
+        Ok(())
+    }
+
+    /// The row of `key`, when it has one, as its stored response: one
+    /// `SELECT` of the whole row, every column read as the store decodes
+    /// the record.
+    pub fn find(&self, key: &RecordKey) -> Result<Option<Option<Vec<u8>>>> {
+        let mut stmt = self.conn.prepare_cached(SELECT)?;
+        let mut rows = stmt.query(params![key.scope, key.biz_type, key.idem_key])?;
+        let Some(row) = rows.next()? else {
+            return Ok(None);
+        };
+        let _: (i64, String, String, String, String) = (
+            row.get(0)?,
+            row.get(1)?,
+            row.get(2)?,
+            row.get(3)?,
+            row.get(4)?,
+        );
+        let _: (i64, String, i64, i64, i64, Option<i64>) = (
+            row.get(5)?,
+            row.get(6)?,
+            row.get(7)?,
+            row.get(8)?,
+            row.get(9)?,
+            row.get(10)?,
+        );
+        let _: (i64, i64, Option<i64>, Option<String>) =
+            (row.get(11)?, row.get(12)?, row.get(13)?, row.get(14)?);
+        let (response, _failure): (Option<Vec<u8>>, Option<Vec<u8>>) = (row.get(15)?, row.get(16)?);
+        Ok(Some(response))
+    }
+
+    /// Claims `key` (a processing row, its own commit): the new row's id,
+    /// or `None` when the key has a row already.
+    pub fn claim(&self, key: &RecordKey) -> Result<Option<i64>> {
+        let now = now_ms();
+        let id = self
+            .conn
+            .prepare_cached(INSERT)?
+            .query_row(
+                params![
+                    key.scope,
+                    key.biz_type,
+                    key.idem_key,
+                    FINGERPRINT,
+                    now + 60_000,
+                    now
+                ],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(id)
+    }
+
+    /// Marks the claimed row `id` succeeded with `result_ref` and
+    /// `response` (a second commit).
+    pub fn settle(&self, id: i64, result_ref: Option<&str>, response: Option<&[u8]>) -> Result<()> {
+        let now = now_ms();
+        let n = self.conn.prepare_cached(SETTLE)?.execute(params![
+            id,
+            now + 86_400_000,
+            now,
+            result_ref,
+            response
+        ])?;
+        ensure!(n == 1, "the baseline's update changed {n} rows");
         Ok(())
     }
 }

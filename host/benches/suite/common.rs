@@ -38,6 +38,9 @@ pub struct Settings {
     /// Another `idem` binary (an earlier build) that the proxy part
     /// measures beside this one, in the same rounds.
     pub compare_bin: Option<std::path::PathBuf>,
+    /// How long each thread sleeps before each operation of the `paths`
+    /// and `pg` parts (`--idle-us`); zero runs them back to back.
+    pub idle_gap: Duration,
 }
 
 impl Settings {
@@ -55,6 +58,7 @@ impl Settings {
             group_callers: 32,
             smoke: false,
             compare_bin: None,
+            idle_gap: Duration::ZERO,
         }
     }
 
@@ -87,6 +91,7 @@ impl Settings {
             group_callers: 4,
             smoke: true,
             compare_bin: None,
+            idle_gap: Duration::ZERO,
         }
     }
 }
@@ -198,6 +203,18 @@ impl Samples {
     }
 }
 
+/// What the headers of the `paths` and `pg` parts add for `--idle-us`.
+pub fn idle_note(settings: &Settings) -> String {
+    if settings.idle_gap.is_zero() {
+        String::new()
+    } else {
+        format!(
+            "; each operation after a {} us sleep, ops/s over the time in operations",
+            settings.idle_gap.as_micros()
+        )
+    }
+}
+
 /// The median of `values` (0 when empty).
 pub fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
@@ -215,8 +232,17 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 /// Runs one round on `threads` threads; `op(thread, i)` does operation `i`
-/// of the thread. Records each latency and the round's throughput.
-pub fn round<F>(threads: usize, ops: usize, samples: &mut Samples, op: F) -> Result<()>
+/// of the thread, after the thread slept `gap` when it is not zero.
+/// Records each latency and the round's throughput: operations over the
+/// round's wall time, or with a gap over the threads' time in operations
+/// (the sleeps left out).
+pub fn round<F>(
+    threads: usize,
+    ops: usize,
+    gap: Duration,
+    samples: &mut Samples,
+    op: F,
+) -> Result<()>
 where
     F: Fn(usize, usize) -> Result<()> + Sync,
 {
@@ -228,6 +254,9 @@ where
                 s.spawn(move || -> Result<Vec<Duration>> {
                     let mut mine = Vec::with_capacity(ops);
                     for i in 0..ops {
+                        if !gap.is_zero() {
+                            std::thread::sleep(gap);
+                        }
                         let at = Instant::now();
                         op(t, i)?;
                         mine.push(at.elapsed());
@@ -245,8 +274,12 @@ where
         }
         Ok(all)
     })?;
-    let wall = started.elapsed().as_secs_f64();
-    samples.push_rate((threads * ops) as f64 / wall);
+    let busy = if gap.is_zero() {
+        started.elapsed().as_secs_f64()
+    } else {
+        latencies.iter().sum::<Duration>().as_secs_f64() / threads as f64
+    };
+    samples.push_rate((threads * ops) as f64 / busy);
     for l in latencies {
         samples.push(l);
     }

@@ -58,7 +58,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         let (off, on) = (open("off.db", false)?, open("on.db", true)?);
         let (mut s_off, mut s_on) = (Samples::default(), Samples::default());
         for r in 0..settings.rounds {
-            round(callers, ops, &mut s_off, |t, i| {
+            round(callers, ops, Duration::ZERO, &mut s_off, |t, i| {
                 engine_op(
                     &off,
                     Path::NewKey,
@@ -66,7 +66,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
                 )
             })
             .context("group commit off")?;
-            round(callers, ops, &mut s_on, |t, i| {
+            round(callers, ops, Duration::ZERO, &mut s_on, |t, i| {
                 engine_op(&on, Path::NewKey, &key_for(Path::NewKey, "on", r, t, i, 0))
             })
             .context("group commit on")?;

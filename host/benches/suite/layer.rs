@@ -11,20 +11,36 @@
 //! layer replays it; the handler does not run); and new keys at 32
 //! connections on a store with group commit (`SqliteOptions::group_commit`,
 //! where a write that would wait for a group moves to a blocking thread).
+//!
+//! A third app is the floor the layer is held against: the same service
+//! behind a hand-written check that runs the bare-SQL baseline's statements
+//! ([`crate::bare`]) on the request's thread: one `SELECT` of the key's
+//! row, which answers a replay; on a miss, the claim's `INSERT` (its own
+//! commit), the handler, and an `UPDATE` that stores the answer (a second
+//! commit). No fingerprint, no lease, no fencing, no component: what it
+//! adds over the bare service is what any SQLite-backed check pays in this
+//! server, on this machine, in this run.
 
+use std::cell::RefCell;
+use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
+use crate::bare::{self, Bare};
 use crate::common::{Report, Settings};
 use crate::proxy::{Child, Kind, Target, have_wrk, measure, start_server, write_script, wrk};
 use anyhow::{Context, Result, bail};
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{Next, from_fn};
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem::layer::IdempotencyLayer;
 use idem::proxy::ProxyConfig;
-use idem::{Engine, SqliteOptions, SqliteStore};
+use idem::{Engine, RecordKey, SqliteOptions, SqliteStore};
 
 /// The first argument that makes this binary serve the app instead of
 /// measuring: `--serve-app bare|layer DB`.
@@ -53,12 +69,85 @@ fn app() -> Router {
     )
 }
 
+/// The largest body the hand-written check reads: the layer's default
+/// `max_body_bytes`, so both refuse the same requests.
+const BARE_SQL_MAX_BODY: usize = 1024 * 1024;
+
+/// The database file of the hand-written check (`--serve-app bare-sql`).
+static BARE_SQL_DB: OnceLock<PathBuf> = OnceLock::new();
+
+thread_local! {
+    /// Each runtime worker's own connection to [`BARE_SQL_DB`], opened on
+    /// its first request, as the store keeps one per thread.
+    static BARE_SQL: RefCell<Option<Bare>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` on this thread's connection to the hand-written check's file.
+fn with_bare_sql<R>(f: impl FnOnce(&Bare) -> Result<R>) -> Result<R> {
+    BARE_SQL.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let bare = match slot.take() {
+            Some(bare) => bare,
+            None => Bare::open(
+                BARE_SQL_DB
+                    .get()
+                    .context("the check's database is not set")?,
+            )?,
+        };
+        let answer = f(&bare);
+        *slot = Some(bare);
+        answer
+    })
+}
+
+/// The hand-written check around the handler: see the module's doc. The
+/// scope is the `Authorization` header, as the layer's default.
+async fn bare_sql_check(request: Request, next: Next) -> Response {
+    match bare_sql_answer(request, next).await {
+        Ok(response) => response,
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")).into_response(),
+    }
+}
+
+async fn bare_sql_answer(request: Request, next: Next) -> Result<Response> {
+    let (parts, body) = request.into_parts();
+    let header_str = |name: &str| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .with_context(|| format!("no {name} header"))
+    };
+    let key = RecordKey::new(
+        header_str("authorization")?,
+        "orders",
+        header_str("idempotency-key")?,
+    );
+    let body = axum::body::to_bytes(body, BARE_SQL_MAX_BODY).await?;
+    let json = HeaderValue::from_static("application/json");
+    if let Some(stored) = with_bare_sql(|b| b.find(&key))? {
+        let stored = stored.context("a claimed key has no stored answer yet")?;
+        return Ok((StatusCode::CREATED, [(header::CONTENT_TYPE, json)], stored).into_response());
+    }
+    let Some(id) = with_bare_sql(|b| b.claim(&key))? else {
+        return Ok(StatusCode::CONFLICT.into_response());
+    };
+    let response = next.run(Request::from_parts(parts, Body::from(body))).await;
+    let (parts, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, BARE_SQL_MAX_BODY).await?;
+    with_bare_sql(|b| b.settle(id, None, Some(&body)))?;
+    Ok(Response::from_parts(parts, Body::from(body)))
+}
+
 /// Serves the app (`bare`: without the layer; `layer`: with it, on the
-/// SQLite file `db`) on a free port of 127.0.0.1 until killed; prints
+/// SQLite file `db`; `bare-sql`: behind the hand-written check, on `db`)
+/// on a free port of 127.0.0.1 until killed; prints
 /// `listening on ADDR` first. Runs on tokio's default multi-threaded
 /// runtime, as an axum service would.
 pub fn serve_app(mut args: impl Iterator<Item = String>) -> Result<()> {
-    let kind = args.next().context("--serve-app takes bare or layer")?;
+    let kind = args
+        .next()
+        .context("--serve-app takes bare, layer or bare-sql")?;
     let db = args.next().context("--serve-app takes a database file")?;
     let app = match kind.as_str() {
         "bare" => app(),
@@ -71,7 +160,15 @@ pub fn serve_app(mut args: impl Iterator<Item = String>) -> Result<()> {
             let engine = Engine::builder().storage(store).build()?;
             app().layer(IdempotencyLayer::new(engine, ProxyConfig::default())?)
         }
-        other => bail!("--serve-app takes bare, layer or layer-grouped, not {other}"),
+        "bare-sql" => {
+            let db = PathBuf::from(db);
+            bare::create(&db)?;
+            BARE_SQL_DB
+                .set(db)
+                .map_err(|_| anyhow::anyhow!("the check's database was set twice"))?;
+            app().layer(from_fn(bare_sql_check))
+        }
+        other => bail!("--serve-app takes bare, layer, layer-grouped or bare-sql, not {other}"),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -103,13 +200,16 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     let (_bare, bare) = spawn_app("bare", &dir.path().join("unused.db"))?;
     let (_layer, layered) = spawn_app("layer", &dir.path().join("idem.db"))?;
     let (_grouped, grouped) = spawn_app("layer-grouped", &dir.path().join("grouped.db"))?;
+    let (_checked, checked) = spawn_app("bare-sql", &dir.path().join("bare-sql.db"))?;
     // The fixed key, completed once before it is replayed; a warm-up of
     // every kind.
     wrk(&script, layered, (1, 1), "fixed", "warm")?;
+    wrk(&script, checked, (1, 1), "fixed", "warm")?;
     wrk(&script, layered, (1, 32), "new", "warm")?;
     wrk(&script, bare, (1, 32), "new", "warm")?;
     wrk(&script, grouped, (1, 32), "new", "warm")?;
-    let kinds: [Kind<'_>; 9] = [
+    wrk(&script, checked, (1, 32), "new", "warm")?;
+    let kinds: [Kind<'_>; 12] = [
         ("bare, new keys", bare, "new", 1),
         ("layer, first requests", layered, "new", 1),
         ("bare, fixed key", bare, "fixed", 1),
@@ -119,14 +219,17 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         ("layer, first, grouped", grouped, "new", 32),
         ("bare, fixed key", bare, "fixed", 32),
         ("layer, replays", layered, "fixed", 32),
+        ("bare SQL, first", checked, "new", 1),
+        ("bare SQL, replays", checked, "fixed", 1),
+        ("bare SQL, replays", checked, "fixed", 32),
     ];
     let rows = measure(
         settings,
         &script,
         &kinds,
         "layer",
-        "an axum service with and without IdempotencyLayer (SQLite); CPU is the service \
-         process's user + system time per request",
+        "an axum service with and without IdempotencyLayer (SQLite), and behind a \
+         hand-written SQL check; CPU is the service process's user + system time per request",
         report,
     )?;
     let cpus: Vec<f64> = rows.iter().map(|l| l.cpu_us_per_request).collect();
@@ -143,6 +246,20 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
          without it ({:+.1} us CPU each)",
         rows[6].rps / rows[5].rps,
         cpus[6] - cpus[5],
+    );
+    let floor = |check: usize, layer: usize, bare: usize| {
+        let (floor, added) = (cpus[check] - cpus[bare], cpus[layer] - cpus[bare]);
+        format!(
+            "{floor:+.1} us (the layer {added:+.1}, {:.1}x)",
+            added / floor
+        )
+    };
+    println!(
+        "a hand-written SQL check adds {} per first request and {} per replay at 1 \
+         connection; {} per replay at 32",
+        floor(9, 1, 0),
+        floor(10, 3, 2),
+        floor(11, 8, 7),
     );
     Ok(())
 }

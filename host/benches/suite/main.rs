@@ -12,7 +12,8 @@
 //! - `scale`: `begin` latency against table size, sweep throughput;
 //! - `proxy`: `idem serve` under wrk against the upstream direct;
 //! - `layer`: an axum service with `IdempotencyLayer` under wrk against the
-//!   same service without it;
+//!   same service without it, and behind a hand-written SQL check (the
+//!   floor of what a check on SQLite adds there);
 //! - `pg`: the engine on PostgreSQL against bare SQL on the same server.
 //!
 //! Every ratio pairs idem with its baseline in the same run, alternating
@@ -25,7 +26,9 @@
 //! `--path replay,new-key` the paths of the `paths` part, `--rounds 3
 //! --ops 50000` the counts of the `paths` part (long runs of one path for a
 //! profiler),
-//! `--scale 10000000` adds a table size, `--compare-bin PATH` has the
+//! `--idle-us 100` has each operation of the `paths` and `pg` parts start
+//! after its thread slept that long (as a server's thread sleeps between
+//! requests), `--scale 10000000` adds a table size, `--compare-bin PATH` has the
 //! `proxy` part measure another `idem` binary (an earlier build) in the
 //! same rounds. The table is printed and the
 //! figures are written to `target/idem-bench.json`.
@@ -110,6 +113,10 @@ fn main() -> Result<()> {
             }
             "--rounds" => rounds = Some(count(args.next(), "--rounds")?),
             "--ops" => ops = Some(count(args.next(), "--ops")?),
+            "--idle-us" => {
+                let us = count(args.next(), "--idle-us")?;
+                settings.idle_gap = std::time::Duration::from_micros(u64::try_from(us)?);
+            }
             "--scale" => {
                 extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?
             }

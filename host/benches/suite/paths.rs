@@ -9,7 +9,8 @@ use idem::{Engine, SqliteOptions, SqliteStore};
 
 use crate::bare::{self, Bare};
 use crate::common::{
-    Compared, Path, Report, STORED_KEYS, Samples, Settings, engine_op, key_for, round, stored_key,
+    Compared, Path, Report, STORED_KEYS, Samples, Settings, engine_op, idle_note, key_for, round,
+    stored_key,
 };
 
 /// Runs the path measurements.
@@ -53,8 +54,10 @@ fn measure(
 ) -> Result<()> {
     Report::compared_header(&format!(
         "SQLite, engine against bare SQL: {} rounds x {} operations per thread; ops/s are \
-         medians over rounds, latencies over all operations",
-        settings.rounds, settings.ops
+         medians over rounds, latencies over all operations{}",
+        settings.rounds,
+        settings.ops,
+        idle_note(settings)
     ));
     // New keys name the run (side and thread count), so runs never collide.
     let key = |path, who: &str, threads: usize, r, t, i| {
@@ -64,11 +67,11 @@ fn measure(
         for &threads in &settings.threads {
             let (mut b, mut e) = (Samples::default(), Samples::default());
             for r in 0..settings.rounds {
-                round(threads, settings.ops, &mut b, |t, i| {
+                round(threads, settings.ops, settings.idle_gap, &mut b, |t, i| {
                     lock(&bare[t])?.op(path, &key(path, "bare", threads, r, t, i))
                 })
                 .context("bare SQL")?;
-                round(threads, settings.ops, &mut e, |t, i| {
+                round(threads, settings.ops, settings.idle_gap, &mut e, |t, i| {
                     engine_op(engine, path, &key(path, "idem", threads, r, t, i))
                 })
                 .context("engine")?;

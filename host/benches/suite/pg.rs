@@ -16,7 +16,8 @@ use postgres::{Client, NoTls, Statement};
 
 use crate::bare::now_ms;
 use crate::common::{
-    Compared, Path, Report, STORED_KEYS, Samples, Settings, engine_op, key_for, round, stored_key,
+    Compared, Path, Report, STORED_KEYS, Samples, Settings, engine_op, idle_note, key_for, round,
+    stored_key,
 };
 
 struct Bare {
@@ -156,18 +157,20 @@ fn measure(
         key_for(path, &format!("{who}{threads}"), r, t, i, stored)
     };
     Report::compared_header(&format!(
-        "PostgreSQL, engine against bare SQL: {} rounds x {} operations per thread",
-        settings.rounds, settings.ops
+        "PostgreSQL, engine against bare SQL: {} rounds x {} operations per thread{}",
+        settings.rounds,
+        settings.ops,
+        idle_note(settings)
     ));
     for path in Path::ALL {
         for &threads in &settings.threads {
             let (mut b, mut e) = (Samples::default(), Samples::default());
             for r in 0..settings.rounds {
-                round(threads, settings.ops, &mut b, |t, i| {
+                round(threads, settings.ops, settings.idle_gap, &mut b, |t, i| {
                     lock(t)?.op(path, &key(path, "bare", threads, r, t, i))
                 })
                 .context("bare SQL")?;
-                round(threads, settings.ops, &mut e, |t, i| {
+                round(threads, settings.ops, settings.idle_gap, &mut e, |t, i| {
                     engine_op(&engine, path, &key(path, "idem", threads, r, t, i))
                 })
                 .context("engine")?;
