@@ -12,7 +12,7 @@
 //! connections on a store with group commit (`SqliteOptions::group_commit`,
 //! where a write that would wait for a group moves to a blocking thread).
 //!
-//! A third app is the floor the layer is held against: the same service
+//! A fourth app is the floor the layer is held against: the same service
 //! behind a hand-written check that runs the bare-SQL baseline's statements
 //! ([`crate::bare`]) on the request's thread: one `SELECT` of the key's
 //! row, which answers a replay; on a miss, the claim's `INSERT` (its own
@@ -45,7 +45,7 @@ use idem::proxy::ProxyConfig;
 use idem::{Engine, RecordKey, SqliteOptions, SqliteStore};
 
 /// The first argument that makes this binary serve the app instead of
-/// measuring: `--serve-app bare|layer DB`.
+/// measuring: `--serve-app bare|layer|layer-grouped|bare-sql DB`.
 pub const SERVE_APP: &str = "--serve-app";
 
 /// The handler both apps run: it reads the order's body, as a service
@@ -73,7 +73,7 @@ fn app() -> Router {
 
 /// The largest body the hand-written check reads: the layer's default
 /// `max_body_bytes`, so both refuse the same requests.
-const BARE_SQL_MAX_BODY: usize = 1024 * 1024;
+const BARE_SQL_MAX_BODY: usize = idem::api::DEFAULT_MAX_BODY_BYTES as usize;
 
 /// The database file of the hand-written check (`--serve-app bare-sql`).
 static BARE_SQL_DB: OnceLock<PathBuf> = OnceLock::new();
@@ -149,7 +149,7 @@ async fn bare_sql_answer(request: Request, next: Next) -> Result<Response> {
 pub fn serve_app(mut args: impl Iterator<Item = String>) -> Result<()> {
     let kind = args
         .next()
-        .context("--serve-app takes bare, layer or bare-sql")?;
+        .context("--serve-app takes bare, layer, layer-grouped or bare-sql")?;
     let db = args.next().context("--serve-app takes a database file")?;
     let app = match kind.as_str() {
         "bare" => app(),
