@@ -14,7 +14,7 @@
 use std::path::Path as FsPath;
 use std::time::Duration;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use idem::{RecordKey, SqliteOptions, SqliteStore};
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -62,11 +62,10 @@ impl Bare {
     pub fn op(&self, path: Path, key: &RecordKey) -> Result<()> {
         match path {
             Path::NewKey => {
-                let id = self.claim(key)?;
-                ensure!(id.is_some(), "new key {key:?} already stored");
-                if let Some(id) = id {
-                    self.settle(id, Some("order-1"), None)?;
-                }
+                let id = self
+                    .claim(key)?
+                    .with_context(|| format!("new key {key:?} already stored"))?;
+                self.settle(id, Some("order-1"), None)?;
             }
             Path::Replay | Path::Mismatch => {
                 ensure!(self.find(key)?.is_some(), "stored key {key:?} missing");

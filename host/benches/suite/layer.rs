@@ -48,7 +48,7 @@ use idem::{Engine, RecordKey, SqliteOptions, SqliteStore};
 /// measuring: `--serve-app bare|layer|layer-grouped|bare-sql DB`.
 pub const SERVE_APP: &str = "--serve-app";
 
-/// The handler both apps run: it reads the order's body, as a service
+/// The handler every app runs: it reads the order's body, as a service
 /// that creates orders does, and answers a new order number. Reading the
 /// body matters to the comparison: hyper hands a body over in a later
 /// poll of the connection's task, which costs the bare app a wake-up that
@@ -88,17 +88,16 @@ thread_local! {
 fn with_bare_sql<R>(f: impl FnOnce(&Bare) -> Result<R>) -> Result<R> {
     BARE_SQL.with(|cell| {
         let mut slot = cell.borrow_mut();
-        let bare = match slot.take() {
+        let bare = match &mut *slot {
             Some(bare) => bare,
-            None => Bare::open(
-                BARE_SQL_DB
+            empty => {
+                let db = BARE_SQL_DB
                     .get()
-                    .context("the check's database is not set")?,
-            )?,
+                    .context("the check's database is not set")?;
+                empty.insert(Bare::open(db)?)
+            }
         };
-        let answer = f(&bare);
-        *slot = Some(bare);
-        answer
+        f(bare)
     })
 }
 
