@@ -223,8 +223,16 @@ enum KeyFate {
 fn killed_database_connections_never_execute_a_key_twice_and_the_proxies_recover() -> Result<()> {
     const WORKERS: usize = 8;
     const KEYS_PER_WORKER: usize = 25;
-    /// Kill every connection after this many answers.
+    /// Kill every connection after this many answers that reached the
+    /// database. Only those count: right after a kill each dead pooled
+    /// connection fails one operation with 503 before its pool drops it,
+    /// and the two pools hold more connections than this, so counting 503s
+    /// could fire the next kill before any connection was opened again.
+    /// With at most `WORKERS` requests in flight across a kill, at least
+    /// `KILL_EVERY - WORKERS` of the counted answers began on a connection
+    /// opened after it, so every kill finds one.
     const KILL_EVERY: usize = 15;
+    const _: () = assert!(KILL_EVERY > WORKERS);
     const KILLS: usize = 8;
     /// The most 503s one key may get before the test gives up.
     const MAX_RETRIES: usize = 50;
@@ -251,7 +259,9 @@ fn killed_database_connections_never_execute_a_key_twice_and_the_proxies_recover
                         let fate = loop {
                             let proxy = &hosts.proxies[(k + retries) % 2];
                             let r = proxy.post("/orders").key(&key).json(BODY).send()?;
-                            let _ = answered.send(());
+                            if r.status != 503 {
+                                let _ = answered.send(());
+                            }
                             match r.status {
                                 201 => break KeyFate::Done(retries),
                                 409 => break KeyFate::Blocked,
@@ -271,7 +281,8 @@ fn killed_database_connections_never_execute_a_key_twice_and_the_proxies_recover
             })
             .collect();
         drop(answered);
-        // Paced by the traffic, not by time: a kill after every few answers.
+        // Paced by the traffic, not by time: a kill after every few answers
+        // that reached the database.
         let mut killed = Vec::new();
         let mut seen = 0;
         while killed.len() < KILLS && progress.recv().is_ok() {
