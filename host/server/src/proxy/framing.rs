@@ -231,19 +231,18 @@ impl Framing {
             Ok(httparse::Status::Complete(end)) => end,
             Ok(httparse::Status::Partial) | Err(_) => return None,
         };
-        // The first Content-Length's value (`Some(None)` when it is not a
-        // length), and whether any later one differs from it.
+        // `Some(Some(n))` while every Content-Length seen is the length
+        // `n`; `Some(None)` once one is not a length or differs.
         let mut length = None::<Option<u64>>;
-        let mut lengths_differ = false;
         let mut codings = None::<&[u8]>;
         let mut upgrade = request.method == Some("CONNECT");
         for h in request.headers.iter() {
             if h.name.eq_ignore_ascii_case("content-length") {
                 let this = content_length(h.value);
-                match length {
-                    None => length = Some(this),
-                    Some(first) => lengths_differ |= first != this,
-                }
+                length = Some(match length {
+                    None => this,
+                    Some(first) => first.filter(|_| first == this),
+                });
             } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
                 // The last coding of the last field counts (hyper's rule).
                 codings = Some(h.value);
@@ -262,8 +261,8 @@ impl Framing {
                 self.lose();
                 return None;
             }
-            (None, Some(Some(len))) if !lengths_differ => Body::Length(len),
-            (None, Some(_)) => {
+            (None, Some(Some(len))) => Body::Length(len),
+            (None, Some(None)) => {
                 self.lose();
                 return None;
             }
