@@ -8,16 +8,6 @@ use std::sync::Arc;
 
 mod operator;
 
-/// The process's allocator: mimalloc instead of the system's. A request
-/// allocates on one tokio worker and is often freed on another (hyper's
-/// buffers, the engine's records); glibc's malloc pays for that in
-/// `_int_free` and `malloc_consolidate`, 4 % of `idem serve`'s samples
-/// under load. With mimalloc the bench suite's proxy part measured 3-6 %
-/// less CPU per request against the same build on the system allocator,
-/// in the same runs (the README's Performance section has the figures).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use idem::proxy::{Proxy, ProxyConfig, serve, serve_with};
@@ -25,6 +15,16 @@ use idem::{Engine, KeyStatus, ReconcileReport, SqliteOptions, SqliteStore, Statu
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+
+/// The process's allocator: mimalloc instead of the system's. Under load
+/// glibc's `malloc` and `free` took about 4 % of `idem serve`'s samples
+/// (`_int_free`, `malloc_consolidate`); with mimalloc the bench suite's
+/// proxy part measured 3 to 6 % less CPU per request than the same build
+/// on the system allocator in nine of ten same-run comparisons (five
+/// kinds of load, two runs) and 3.5 % more in the tenth (the README's
+/// Performance section has the figures).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// An idempotency proxy and engine: the first request for a key runs, its
 /// duplicates get the stored answer.
