@@ -775,6 +775,25 @@ pub fn unique_name(prefix: &str) -> String {
 ///
 /// When the file cannot be read or parsed.
 pub fn cpu_time_us(pid: &str) -> std::io::Result<f64> {
+    stat_cpu_time_us(pid, 14)
+}
+
+/// The CPU time (user + system) that this process's children have used,
+/// in microseconds, counting only the children it has waited for
+/// (`/proc/self/stat` fields 16 and 17, in clock ticks): the CPU of a
+/// load generator run to its end with [`std::process::Command::output`] is
+/// the difference across that run. Linux only.
+///
+/// # Errors
+///
+/// When the file cannot be read or parsed.
+pub fn waited_children_cpu_time_us() -> std::io::Result<f64> {
+    stat_cpu_time_us("self", 16)
+}
+
+/// The sum of the user time at field `user_field` of `/proc/PID/stat` and
+/// the system time in the field after it, in microseconds.
+fn stat_cpu_time_us(pid: &str, user_field: usize) -> std::io::Result<f64> {
     let invalid = |what: &str| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -787,14 +806,14 @@ pub fn cpu_time_us(pid: &str) -> std::io::Result<f64> {
         .rsplit_once(')')
         .ok_or_else(|| invalid("no command name"))?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // `rest` starts at field 3 (the state): utime is field 14, stime 15.
-    let ticks = |i: usize| -> std::io::Result<f64> {
+    // `rest` starts at field 3 (the state), so field `n` is at `n - 3`.
+    let ticks = |field: usize| -> std::io::Result<f64> {
         fields
-            .get(i)
+            .get(field - 3)
             .and_then(|f| f.parse::<f64>().ok())
             .ok_or_else(|| invalid("too short"))
     };
-    Ok((ticks(11)? + ticks(12)?) / clock_ticks_per_s() * 1e6)
+    Ok((ticks(user_field)? + ticks(user_field + 1)?) / clock_ticks_per_s() * 1e6)
 }
 
 /// The kernel's clock ticks per second (`getconf CLK_TCK`), the unit of
@@ -822,4 +841,27 @@ pub fn find_process(prefix: &str) -> Option<String> {
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
             comm.trim().starts_with(prefix).then_some(pid)
         })
+}
+
+#[cfg(test)]
+mod cpu_time_tests {
+    use super::waited_children_cpu_time_us;
+
+    /// A shell loop that costs about 0.1 s of CPU here: ten clock ticks.
+    const CHILD_LOOP: &str = "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done";
+
+    #[test]
+    fn a_child_s_cpu_time_is_counted_once_it_was_waited_for() -> std::io::Result<()> {
+        let before = waited_children_cpu_time_us()?;
+        let status = std::process::Command::new("sh")
+            .args(["-c", CHILD_LOOP])
+            .status()?;
+        assert!(status.success());
+        let child_cpu = waited_children_cpu_time_us()? - before;
+        assert!(
+            child_cpu >= 20_000.0,
+            "the child's loop counted {child_cpu} us of CPU, fewer than two clock ticks"
+        );
+        Ok(())
+    }
 }
