@@ -41,6 +41,9 @@ pub struct Settings {
     /// How long each thread sleeps before each operation of the `paths`
     /// and `pg` parts (`--idle-us`); zero runs them back to back.
     pub idle_gap: Duration,
+    /// True to run wrk as `SCHED_BATCH` in the `proxy` and `layer` parts
+    /// (`proxy::Wrk` says why); `--wrk-normal` makes it false.
+    pub wrk_batch: bool,
 }
 
 impl Settings {
@@ -59,6 +62,7 @@ impl Settings {
             smoke: false,
             compare_bin: None,
             idle_gap: Duration::ZERO,
+            wrk_batch: true,
         }
     }
 
@@ -92,6 +96,7 @@ impl Settings {
             smoke: true,
             compare_bin: None,
             idle_gap: Duration::ZERO,
+            wrk_batch: true,
         }
     }
 }

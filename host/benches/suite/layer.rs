@@ -31,7 +31,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::bare::{self, Bare};
 use crate::common::{Report, Settings};
-use crate::proxy::{Child, Kind, Target, have_wrk, measure, start_server, write_script, wrk};
+use crate::proxy::{Child, Kind, Target, Wrk, have_wrk, measure, start_server, wrk};
 use anyhow::{Context, Result, bail};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -197,7 +197,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
-    let script = write_script(dir.path())?;
+    let script = Wrk::new(dir.path(), settings)?;
     let (_bare, bare) = spawn_app("bare", &dir.path().join("unused.db"))?;
     let (_layer, layered) = spawn_app("layer", &dir.path().join("idem.db"))?;
     let (_grouped, grouped) = spawn_app("layer-grouped", &dir.path().join("grouped.db"))?;

@@ -30,7 +30,9 @@
 //! after its thread slept that long (as a server's thread sleeps between
 //! requests), `--scale 10000000` adds a table size, `--compare-bin PATH` has the
 //! `proxy` part measure another `idem` binary (an earlier build) in the
-//! same rounds. The table is printed and the
+//! same rounds, `--wrk-normal` runs wrk at the normal scheduling policy
+//! instead of as `SCHED_BATCH` (`proxy::Wrk` says why). The table is
+//! printed and the
 //! figures are written to `target/idem-bench.json`.
 
 mod bare;
@@ -83,6 +85,7 @@ fn main() -> Result<()> {
     let mut ops = None;
     let mut extra_sizes: Vec<u64> = Vec::new();
     let mut compare_bin = None;
+    let mut wrk_normal = false;
     let mut out =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/idem-bench.json");
     while let Some(arg) = args.next() {
@@ -121,6 +124,7 @@ fn main() -> Result<()> {
                 extra_sizes = list(&args.next().context("--scale takes a list")?, "--scale")?
             }
             "--out" => out = args.next().context("--out takes a file")?.into(),
+            "--wrk-normal" => wrk_normal = true,
             "--compare-bin" => {
                 compare_bin = Some(args.next().context("--compare-bin takes a file")?.into())
             }
@@ -142,6 +146,7 @@ fn main() -> Result<()> {
         settings.ops = o;
     }
     settings.compare_bin = compare_bin;
+    settings.wrk_batch = !wrk_normal;
     settings.scale_sizes.extend(extra_sizes);
     settings.scale_sizes.sort_unstable();
     settings.scale_sizes.dedup();

@@ -97,7 +97,7 @@ pub struct Target {
 /// Runs wrk for `seconds` with `connections` connections against
 /// `target`, counting the CPU time of its process.
 pub fn wrk(
-    script: &std::path::Path,
+    wrk: &Wrk,
     target: Target,
     (seconds, connections): (u32, u32),
     mode: &str,
@@ -107,7 +107,8 @@ pub fn wrk(
     let pid = target.pid.to_string();
     let cpu_before = cpu_time_us(&pid)?;
     let wrk_before = waited_children_cpu_time_us()?;
-    let out = Command::new("wrk")
+    let out = wrk
+        .command()
         .args([
             "-t",
             &WRK_THREADS.min(connections).to_string(),
@@ -117,7 +118,7 @@ pub fn wrk(
             &format!("{seconds}s"),
             "-s",
         ])
-        .arg(script)
+        .arg(&wrk.script)
         .arg(format!("http://{addr}/orders"))
         .args(["--", mode, run])
         .output()
@@ -229,12 +230,71 @@ pub fn have_wrk() -> bool {
     Command::new("wrk").arg("--version").output().is_ok()
 }
 
-/// Writes the wrk script into `dir` and returns its path.
-pub fn write_script(dir: &std::path::Path) -> Result<std::path::PathBuf> {
-    let script = dir.join("idem.lua");
-    std::fs::File::create(&script)?.write_all(SCRIPT.as_bytes())?;
-    Ok(script)
+/// How wrk is run: its script, and whether as a `SCHED_BATCH` process.
+///
+/// wrk shares this machine's two cores with the server it measures. At
+/// the normal policy, each answer that wakes one of wrk's threads lets it
+/// preempt the server on the spot: on December 7, with `idem serve`
+/// replaying at 32 connections, 80 % of the server's context switches were
+/// wrk taking its core right after the `writev` of an answer, 0.6 per
+/// request (`perf record -e sched:sched_switch`), and wrk's own CPU per
+/// request rose with them. A client on another machine, as a deployed
+/// server's clients are, costs the server no such switch. As
+/// `SCHED_BATCH` (`chrt --batch 0`, which needs no privilege), wrk gets
+/// the same share of the cores, at the scheduler's tick instead of at
+/// every wake-up: 0.06 to 0.09 switches per request. `--wrk-normal`
+/// measures as before.
+pub struct Wrk {
+    /// The script ([`SCRIPT`]).
+    script: std::path::PathBuf,
+    /// True to run wrk as `SCHED_BATCH`.
+    batch: bool,
 }
+
+impl Wrk {
+    /// Writes the wrk script into `dir`; wrk runs as `SCHED_BATCH` when
+    /// `settings` ask for it and `chrt` can run it (else at the normal
+    /// policy, said on the output).
+    pub fn new(dir: &std::path::Path, settings: &Settings) -> Result<Self> {
+        let script = dir.join("idem.lua");
+        std::fs::File::create(&script)?.write_all(SCRIPT.as_bytes())?;
+        let mut batch = settings.wrk_batch;
+        if batch
+            && !Command::new("chrt")
+                .args(BATCH)
+                .arg("true")
+                .status()
+                .is_ok_and(|s| s.success())
+        {
+            println!("chrt cannot run wrk as SCHED_BATCH here: wrk runs at the normal policy");
+            batch = false;
+        }
+        Ok(Wrk { script, batch })
+    }
+
+    /// A sentence for the tables' headings.
+    pub fn policy(&self) -> &'static str {
+        if self.batch {
+            "wrk runs as SCHED_BATCH (chrt --batch 0)"
+        } else {
+            "wrk runs at the normal scheduling policy"
+        }
+    }
+
+    /// The command that runs wrk.
+    fn command(&self) -> Command {
+        if self.batch {
+            let mut cmd = Command::new("chrt");
+            cmd.args(BATCH).arg("wrk");
+            cmd
+        } else {
+            Command::new("wrk")
+        }
+    }
+}
+
+/// `chrt`'s arguments for `SCHED_BATCH` (priority 0, the only one).
+const BATCH: [&str; 2] = ["--batch", "0"];
 
 /// One kind of load: its name, the server, the wrk mode (`new` or
 /// `fixed` keys) and the connections.
@@ -246,7 +306,7 @@ pub type Kind<'a> = (&'a str, Target, &'a str, u32);
 /// them in the order of `kinds`.
 pub fn measure(
     settings: &Settings,
-    script: &std::path::Path,
+    script: &Wrk,
     kinds: &[Kind<'_>],
     section: &str,
     cpu_note: &str,
@@ -267,7 +327,8 @@ pub fn measure(
         }
     }
     println!(
-        "\n{section}: wrk, {rounds} rounds x {secs} s per kind, medians over rounds; {cpu_note}"
+        "\n{section}: wrk, {rounds} rounds x {secs} s per kind, medians over rounds; {}; {cpu_note}",
+        script.policy()
     );
     println!(
         "{:<24} {:>5} {:>9} {:>9} {:>9} {:>11} {:>11}",
@@ -292,6 +353,7 @@ pub fn measure(
             "requests_per_s": row.rps, "p50_us": row.p50_us, "p99_us": row.p99_us,
             "cpu_us_per_request": row.cpu_us_per_request,
             "wrk_cpu_us_per_request": row.wrk_cpu_us_per_request,
+            "wrk_sched_batch": script.batch,
         }));
         rows.push(row);
     }
@@ -305,7 +367,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
-    let script = write_script(dir.path())?;
+    let script = Wrk::new(dir.path(), settings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
