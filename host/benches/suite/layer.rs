@@ -31,7 +31,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::bare::{self, Bare};
 use crate::common::{Report, Settings};
-use crate::proxy::{Child, Kind, Target, Wrk, have_wrk, measure, start_server, wrk};
+use crate::proxy::{Child, Kind, Target, Wrk, have_wrk, measure, start_server};
 use anyhow::{Context, Result, bail};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -197,19 +197,19 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
-    let script = Wrk::new(dir.path(), settings)?;
+    let wrk = Wrk::new(dir.path(), settings)?;
     let (_bare, bare) = spawn_app("bare", &dir.path().join("unused.db"))?;
     let (_layer, layered) = spawn_app("layer", &dir.path().join("idem.db"))?;
     let (_grouped, grouped) = spawn_app("layer-grouped", &dir.path().join("grouped.db"))?;
     let (_checked, checked) = spawn_app("bare-sql", &dir.path().join("bare-sql.db"))?;
     // The fixed key, completed once before it is replayed; a warm-up of
     // every kind.
-    wrk(&script, layered, (1, 1), "fixed", "warm")?;
-    wrk(&script, checked, (1, 1), "fixed", "warm")?;
-    wrk(&script, layered, (1, 32), "new", "warm")?;
-    wrk(&script, bare, (1, 32), "new", "warm")?;
-    wrk(&script, grouped, (1, 32), "new", "warm")?;
-    wrk(&script, checked, (1, 32), "new", "warm")?;
+    wrk.run(layered, (1, 1), "fixed", "warm")?;
+    wrk.run(checked, (1, 1), "fixed", "warm")?;
+    wrk.run(layered, (1, 32), "new", "warm")?;
+    wrk.run(bare, (1, 32), "new", "warm")?;
+    wrk.run(grouped, (1, 32), "new", "warm")?;
+    wrk.run(checked, (1, 32), "new", "warm")?;
     let kinds: [Kind<'_>; 13] = [
         ("bare, new keys", bare, "new", 1),
         ("layer, first requests", layered, "new", 1),
@@ -227,7 +227,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     ];
     let rows = measure(
         settings,
-        &script,
+        &wrk,
         &kinds,
         "layer",
         "an axum service with and without IdempotencyLayer (SQLite), and behind a \

@@ -94,66 +94,6 @@ pub struct Target {
     pub pid: u32,
 }
 
-/// Runs wrk for `seconds` with `connections` connections against
-/// `target`, counting the CPU time of its process.
-pub fn wrk(
-    wrk: &Wrk,
-    target: Target,
-    (seconds, connections): (u32, u32),
-    mode: &str,
-    run: &str,
-) -> Result<Load> {
-    let addr = target.addr;
-    let pid = target.pid.to_string();
-    let cpu_before = cpu_time_us(&pid)?;
-    let wrk_before = waited_children_cpu_time_us()?;
-    let out = wrk
-        .command()
-        .args([
-            "-t",
-            &WRK_THREADS.min(connections).to_string(),
-            "-c",
-            &connections.to_string(),
-            "-d",
-            &format!("{seconds}s"),
-            "-s",
-        ])
-        .arg(&wrk.script)
-        .arg(format!("http://{addr}/orders"))
-        .args(["--", mode, run])
-        .output()
-        .context("running wrk")?;
-    let cpu_used = cpu_time_us(&pid)? - cpu_before;
-    let wrk_used = waited_children_cpu_time_us()? - wrk_before;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .find_map(|l| l.strip_prefix("IDEM-RESULT "))
-        .ok_or_else(|| {
-            anyhow!(
-                "wrk printed no result: {text} {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
-    let v: Vec<f64> = line
-        .split_whitespace()
-        .map(|x| x.parse::<f64>())
-        .collect::<Result<_, _>>()?;
-    let [requests, duration_us, p50, p99, bad_status, socket_errors] = v[..] else {
-        bail!("wrk result line '{line}' has the wrong shape");
-    };
-    if bad_status > 0.0 || socket_errors > 0.0 {
-        bail!("wrk saw {bad_status} error statuses and {socket_errors} socket errors ({mode})");
-    }
-    Ok(Load {
-        rps: requests / (duration_us / 1e6),
-        p50_us: p50,
-        p99_us: p99,
-        cpu_us_per_request: cpu_used / requests.max(1.0),
-        wrk_cpu_us_per_request: wrk_used / requests.max(1.0),
-    })
-}
-
 fn upstream(runtime: &tokio::runtime::Runtime) -> Result<SocketAddr> {
     let counter = Arc::new(AtomicU64::new(0));
     let app = Router::new().route(
@@ -272,6 +212,66 @@ impl Wrk {
         Ok(Wrk { script, batch })
     }
 
+    /// Runs wrk for `seconds` with `connections` connections against
+    /// `target`, counting the CPU time of the target's process and wrk's.
+    pub fn run(
+        &self,
+        target: Target,
+        (seconds, connections): (u32, u32),
+        mode: &str,
+        run: &str,
+    ) -> Result<Load> {
+        let addr = target.addr;
+        let pid = target.pid.to_string();
+        let cpu_before = cpu_time_us(&pid)?;
+        let wrk_before = waited_children_cpu_time_us()?;
+        let out = self
+            .command()
+            .args([
+                "-t",
+                &WRK_THREADS.min(connections).to_string(),
+                "-c",
+                &connections.to_string(),
+                "-d",
+                &format!("{seconds}s"),
+                "-s",
+            ])
+            .arg(&self.script)
+            .arg(format!("http://{addr}/orders"))
+            .args(["--", mode, run])
+            .output()
+            .context("running wrk")?;
+        let cpu_used = cpu_time_us(&pid)? - cpu_before;
+        let wrk_used = waited_children_cpu_time_us()? - wrk_before;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix("IDEM-RESULT "))
+            .ok_or_else(|| {
+                anyhow!(
+                    "wrk printed no result: {text} {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            })?;
+        let v: Vec<f64> = line
+            .split_whitespace()
+            .map(|x| x.parse::<f64>())
+            .collect::<Result<_, _>>()?;
+        let [requests, duration_us, p50, p99, bad_status, socket_errors] = v[..] else {
+            bail!("wrk result line '{line}' has the wrong shape");
+        };
+        if bad_status > 0.0 || socket_errors > 0.0 {
+            bail!("wrk saw {bad_status} error statuses and {socket_errors} socket errors ({mode})");
+        }
+        Ok(Load {
+            rps: requests / (duration_us / 1e6),
+            p50_us: p50,
+            p99_us: p99,
+            cpu_us_per_request: cpu_used / requests.max(1.0),
+            wrk_cpu_us_per_request: wrk_used / requests.max(1.0),
+        })
+    }
+
     /// A sentence for the tables' headings.
     pub fn policy(&self) -> &'static str {
         if self.batch {
@@ -306,7 +306,7 @@ pub type Kind<'a> = (&'a str, Target, &'a str, u32);
 /// them in the order of `kinds`.
 pub fn measure(
     settings: &Settings,
-    script: &Wrk,
+    wrk: &Wrk,
     kinds: &[Kind<'_>],
     section: &str,
     cpu_note: &str,
@@ -317,8 +317,7 @@ pub fn measure(
     let mut results: Vec<Vec<Load>> = kinds.iter().map(|_| Vec::new()).collect();
     for r in 0..rounds {
         for (k, (_, target, mode, connections)) in kinds.iter().enumerate() {
-            results[k].push(wrk(
-                script,
+            results[k].push(wrk.run(
                 *target,
                 (secs, *connections),
                 mode,
@@ -328,7 +327,7 @@ pub fn measure(
     }
     println!(
         "\n{section}: wrk, {rounds} rounds x {secs} s per kind, medians over rounds; {}; {cpu_note}",
-        script.policy()
+        wrk.policy()
     );
     println!(
         "{:<24} {:>5} {:>9} {:>9} {:>9} {:>11} {:>11}",
@@ -353,7 +352,7 @@ pub fn measure(
             "requests_per_s": row.rps, "p50_us": row.p50_us, "p99_us": row.p99_us,
             "cpu_us_per_request": row.cpu_us_per_request,
             "wrk_cpu_us_per_request": row.wrk_cpu_us_per_request,
-            "wrk_sched_batch": script.batch,
+            "wrk_sched_batch": wrk.batch,
         }));
         rows.push(row);
     }
@@ -367,7 +366,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
-    let script = Wrk::new(dir.path(), settings)?;
+    let wrk = Wrk::new(dir.path(), settings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -415,10 +414,10 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     // The replayed key, completed by one connection before 32 replay it
     // (32 at once on a new key would be told it is in progress); and a
     // warm-up of every kind.
-    wrk(&script, proxied, (1, 1), "fixed", "warm")?;
-    wrk(&script, proxied, (1, CONNECTIONS), "new", "warm")?;
-    wrk(&script, up, (1, CONNECTIONS), "new", "warm")?;
-    wrk(&script, grouped, (1, CONNECTIONS), "new", "warm")?;
+    wrk.run(proxied, (1, 1), "fixed", "warm")?;
+    wrk.run(proxied, (1, CONNECTIONS), "new", "warm")?;
+    wrk.run(up, (1, CONNECTIONS), "new", "warm")?;
+    wrk.run(grouped, (1, CONNECTIONS), "new", "warm")?;
     let mut kinds: Vec<Kind<'_>> = vec![
         ("direct, new keys", up, "new", CONNECTIONS),
         ("proxy, first requests", proxied, "new", CONNECTIONS),
@@ -431,9 +430,9 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
         ("proxy, first, grouped", grouped, "new", 1),
     ];
     if let Some(((_, other), (_, other_grouped))) = &compared {
-        wrk(&script, *other, (1, 1), "fixed", "warm")?;
-        wrk(&script, *other, (1, CONNECTIONS), "new", "warm")?;
-        wrk(&script, *other_grouped, (1, CONNECTIONS), "new", "warm")?;
+        wrk.run(*other, (1, 1), "fixed", "warm")?;
+        wrk.run(*other, (1, CONNECTIONS), "new", "warm")?;
+        wrk.run(*other_grouped, (1, CONNECTIONS), "new", "warm")?;
         kinds.extend([
             ("compared, first requests", *other, "new", CONNECTIONS),
             (
@@ -449,7 +448,7 @@ pub fn run(settings: &Settings, report: &mut Report) -> Result<()> {
     }
     let rows = measure(
         settings,
-        &script,
+        &wrk,
         &kinds,
         "proxy",
         "CPU is the server process's user + system time per request (idem serve's, or for \
