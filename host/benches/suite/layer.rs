@@ -54,7 +54,7 @@ pub const SERVE_APP: &str = "--serve-app";
 /// poll of the connection's task, which costs the bare app a wake-up that
 /// a handler ignoring its body would not pay, and the layer always reads
 /// the body (to fingerprint it).
-fn app() -> Router {
+pub(crate) fn app() -> Router {
     let counter = Arc::new(AtomicU64::new(0));
     Router::new().route(
         "/orders",
@@ -140,6 +140,28 @@ async fn bare_sql_answer(request: Request, next: Next) -> Result<Response> {
     Ok(Response::from_parts(parts, Body::from(body)))
 }
 
+/// The app with the layer on the SQLite file `db` (group commit or not),
+/// with the default configuration.
+pub(crate) fn layered_app(db: &std::path::Path, group_commit: bool) -> Result<Router> {
+    let options = SqliteOptions {
+        group_commit,
+        ..SqliteOptions::default()
+    };
+    let store = SqliteStore::open(db, options)?;
+    let engine = Engine::builder().storage(store).build()?;
+    Ok(app().layer(IdempotencyLayer::new(engine, ProxyConfig::default())?))
+}
+
+/// The app behind the hand-written check, on the new file `db`; once per
+/// process.
+pub(crate) fn checked_app(db: &std::path::Path) -> Result<Router> {
+    bare::create(db)?;
+    BARE_SQL_DB
+        .set(db.to_owned())
+        .map_err(|_| anyhow::anyhow!("the check's database was set twice"))?;
+    Ok(app().layer(from_fn(bare_sql_check)))
+}
+
 /// Serves the app (`bare`: without the layer; `layer`: with it, on the
 /// SQLite file `db`; `bare-sql`: behind the hand-written check, on `db`)
 /// on a free port of 127.0.0.1 until killed; prints
@@ -152,23 +174,9 @@ pub fn serve_app(mut args: impl Iterator<Item = String>) -> Result<()> {
     let db = args.next().context("--serve-app takes a database file")?;
     let app = match kind.as_str() {
         "bare" => app(),
-        "layer" | "layer-grouped" => {
-            let options = SqliteOptions {
-                group_commit: kind == "layer-grouped",
-                ..SqliteOptions::default()
-            };
-            let store = SqliteStore::open(&db, options)?;
-            let engine = Engine::builder().storage(store).build()?;
-            app().layer(IdempotencyLayer::new(engine, ProxyConfig::default())?)
-        }
-        "bare-sql" => {
-            let db = PathBuf::from(db);
-            bare::create(&db)?;
-            BARE_SQL_DB
-                .set(db)
-                .map_err(|_| anyhow::anyhow!("the check's database was set twice"))?;
-            app().layer(from_fn(bare_sql_check))
-        }
+        "layer" => layered_app(db.as_ref(), false)?,
+        "layer-grouped" => layered_app(db.as_ref(), true)?,
+        "bare-sql" => checked_app(db.as_ref())?,
         other => bail!("--serve-app takes bare, layer, layer-grouped or bare-sql, not {other}"),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -14,6 +14,9 @@
 //! - `layer`: an axum service with `IdempotencyLayer` under wrk against the
 //!   same service without it, and behind a hand-written SQL check (the
 //!   floor of what a check on SQLite adds there);
+//! - `calls`: the `layer` part's apps called directly on one thread, with
+//!   no network: the CPU the layer and the check add per request, without
+//!   what a server pays to be woken and to use its sockets;
 //! - `pg`: the engine on PostgreSQL against bare SQL on the same server.
 //!
 //! Every ratio pairs idem with its baseline in the same run, alternating
@@ -37,6 +40,7 @@
 
 mod bare;
 mod body;
+mod calls;
 mod common;
 mod group;
 mod guest;
@@ -52,7 +56,9 @@ use anyhow::{Context, Result, bail};
 use common::{Report, Settings};
 
 /// The parts, in the order they run.
-const PARTS: [&str; 7] = ["paths", "group", "guest", "scale", "proxy", "layer", "pg"];
+const PARTS: [&str; 8] = [
+    "paths", "group", "guest", "scale", "proxy", "layer", "calls", "pg",
+];
 
 fn list<T: std::str::FromStr>(value: &str, flag: &str) -> Result<Vec<T>> {
     value
@@ -168,6 +174,7 @@ fn main() -> Result<()> {
             "scale" => scale::run(&settings, &mut report),
             "proxy" => proxy::run(&settings, &mut report),
             "layer" => layer::run(&settings, &mut report),
+            "calls" => calls::run(&settings, &mut report),
             #[cfg(feature = "postgres")]
             "pg" => pg::run(&settings, &mut report),
             _ => {
