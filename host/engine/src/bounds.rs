@@ -8,9 +8,12 @@
 //!   with a ticker thread per Wasmtime engine that advances its epoch every
 //!   [`EPOCH_TICK`].
 //! - One per-store [`Guard`]: the memory limiter, and the budget of guest
-//!   time of the current call. A call hook measures the time spent in host
-//!   calls (idem's imports, WASI, `wasi:http`), which does not count: a
+//!   time of the current call. Time spent in host calls does not count: a
 //!   slow store or a slow client never makes a guest miss its deadline.
+//!   The engine's imports (idem's own, the only ones its guest has) count
+//!   their own time ([`Guard::install_counted`]); the middleware host's
+//!   guest also calls WASI and `wasi:http`, whose calls a call hook
+//!   measures ([`Guard::install`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -209,13 +212,34 @@ impl Guard {
     }
 
     /// Wires the guard that `guard` finds in the store's data to `store`:
-    /// the memory limiter, the epoch deadline and the call hook.
+    /// the memory limiter, the epoch deadline and a call hook that measures
+    /// every host call, whoever defined the import (WASI, `wasi:http`).
     pub fn install<T: Send + 'static>(store: &mut Store<T>, guard: fn(&mut T) -> &mut Guard) {
         store.limiter(move |data| guard(data));
-        store.epoch_deadline_callback(move |mut ctx| guard(ctx.data_mut()).on_epoch());
+        store
+            .epoch_deadline_callback(move |mut ctx| guard(ctx.data_mut()).on_epoch(Duration::ZERO));
         store.call_hook(move |mut ctx, hook| {
             guard(ctx.data_mut()).on_call(hook);
             Ok(())
+        });
+        Guard::start(store, guard);
+    }
+
+    /// As [`Guard::install`], for a store whose every import measures its
+    /// own time: `host_time` reads, from the store's data, the time the
+    /// imports spent since the current call started (the host resets it
+    /// with each [`Guard::start`]). No call hook: Wasmtime runs one on
+    /// every crossing between host and guest, also for each string it
+    /// lowers into the guest, where the imports know exactly when they run.
+    pub fn install_counted<T: Send + 'static>(
+        store: &mut Store<T>,
+        guard: fn(&mut T) -> &mut Guard,
+        host_time: fn(&T) -> Duration,
+    ) {
+        store.limiter(move |data| guard(data));
+        store.epoch_deadline_callback(move |mut ctx| {
+            let counted = host_time(ctx.data());
+            guard(ctx.data_mut()).on_epoch(counted)
         });
         Guard::start(store, guard);
     }
@@ -241,22 +265,24 @@ impl Guard {
     }
 
     /// Guest time used by the current call so far: its wall time less the
-    /// time in host calls (the one under way included) and yielded.
-    fn used(&self) -> Duration {
+    /// time in host calls (measured by the call hook, the one under way
+    /// included, plus `counted` by the imports themselves) and yielded.
+    fn used(&self, counted: Duration) -> Duration {
         let now = Instant::now();
         let until = self.host_since.unwrap_or(now);
         until
             .saturating_duration_since(self.started)
             .saturating_sub(self.in_host)
+            .saturating_sub(counted)
             .saturating_sub(Duration::from_nanos(self.yielded.load(Ordering::Relaxed)))
     }
 
     /// Reached at the epoch deadline: stops the guest once it has used its
     /// budget, else lets it go on until the next check (yielding first, in
     /// an async store). Time in host calls passes the epoch on but is given
-    /// back here.
-    fn on_epoch(&mut self) -> wasmtime::Result<UpdateDeadline> {
-        let used = self.used();
+    /// back here: the hook's measure, and `counted` by the imports.
+    fn on_epoch(&mut self, counted: Duration) -> wasmtime::Result<UpdateDeadline> {
+        let used = self.used(counted);
         if used >= self.bounds.deadline {
             return Err(wasmtime::Error::new(DeadlineExceeded(self.bounds.deadline)));
         }
@@ -390,11 +416,22 @@ mod tests {
         guard.on_call(CallHook::CallingHost);
         // A host call under way: its time does not count either.
         guard.host_since = Some(Instant::now() - Duration::from_millis(300));
-        let used = guard.used();
+        let used = guard.used(Duration::ZERO);
         assert!(used <= Duration::from_millis(250), "{used:?}");
         assert!(used >= Duration::from_millis(150), "{used:?}");
         guard.on_call(CallHook::ReturningFromHost);
         assert!(guard.in_host >= Duration::from_millis(300));
-        assert!(guard.used() <= Duration::from_millis(250));
+        assert!(guard.used(Duration::ZERO) <= Duration::from_millis(250));
+    }
+
+    #[test]
+    fn time_the_imports_counted_is_not_guest_time() {
+        let mut guard = Guard::new(GuestBounds::default(), Flavor::Sync);
+        guard.started = Instant::now() - Duration::from_millis(500);
+        let used = guard.used(Duration::from_millis(300));
+        assert!(used <= Duration::from_millis(250), "{used:?}");
+        assert!(used >= Duration::from_millis(150), "{used:?}");
+        // More counted than has passed: nothing used, never an underflow.
+        assert_eq!(guard.used(Duration::from_secs(2)), Duration::ZERO);
     }
 }

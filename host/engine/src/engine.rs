@@ -456,7 +456,11 @@ impl Engine {
             guard: Guard::new(self.shared.bounds, Flavor::Sync),
         };
         let mut store = wasmtime::Store::new(&self.shared.loaded.engine, state);
-        Guard::install(&mut store, |state| &mut state.guard);
+        Guard::install_counted(
+            &mut store,
+            |state| &mut state.guard,
+            |state| state.ctx.host_time(),
+        );
         let idem = self
             .shared
             .loaded
@@ -480,6 +484,7 @@ impl Engine {
         if let Some(storage) = storage {
             inst.store.data_mut().ctx.storage = storage;
         }
+        inst.store.data_mut().ctx.reset_host_time();
         Guard::start(&mut inst.store, |state| &mut state.guard);
         let outcome = f(inst.idem.idem_engine_engine(), &mut inst.store);
         inst.store.data_mut().ctx.storage = self.shared.ctx.storage.clone();
