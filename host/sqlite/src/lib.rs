@@ -320,27 +320,39 @@ impl r2d2::ManageConnection for ConnectionManager {
 /// machine those cost more CPU time than the write they wait for).
 #[derive(Default)]
 struct Turns {
-    busy: Mutex<bool>,
+    state: Mutex<TurnState>,
     free: std::sync::Condvar,
+}
+
+/// Who holds the turn, and who waits for it.
+#[derive(Default)]
+struct TurnState {
+    busy: bool,
+    /// Writers asleep on [`Turns::free`]. A turn handed back with nobody
+    /// waiting wakes nobody: `Condvar::notify_one` makes a system call
+    /// whether or not a thread waits, twice per claimed key.
+    waiting: usize,
 }
 
 impl Turns {
     /// Waits at most `timeout` for the turn; `None` when it did not come.
     fn take(self: &Arc<Self>, timeout: Duration) -> Option<Turn> {
         let deadline = Instant::now() + timeout;
-        let mut busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
-        while *busy {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while state.busy {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return None;
             }
-            busy = self
+            state.waiting += 1;
+            state = self
                 .free
-                .wait_timeout(busy, left)
+                .wait_timeout(state, left)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
+            state.waiting -= 1;
         }
-        *busy = true;
+        state.busy = true;
         Some(Turn(self.clone()))
     }
 }
@@ -350,8 +362,13 @@ struct Turn(Arc<Turns>);
 
 impl Drop for Turn {
     fn drop(&mut self) {
-        *self.0.busy.lock().unwrap_or_else(PoisonError::into_inner) = false;
-        self.0.free.notify_one();
+        let mut state = self.0.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.busy = false;
+        let wake = state.waiting > 0;
+        drop(state);
+        if wake {
+            self.0.free.notify_one();
+        }
     }
 }
 

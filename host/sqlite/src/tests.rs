@@ -4,14 +4,14 @@
 use std::path::Path;
 use std::sync::{Arc, Barrier};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_engine::testing::{BIZ, T0, candidate, insert, insert_with, key, rich_record};
 use idem_engine::types::{InsertOutcome, RecordKey, Status, SwapOutcome};
 use idem_engine::{Savepoint, Storage, StoreError};
 use rusqlite::Connection;
 
-use super::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous};
+use super::{SqliteOptions, SqliteStore, SqliteTransaction, Synchronous, Turns};
 
 fn sqlite_at(path: &Path) -> SqliteStore {
     SqliteStore::open(path, SqliteOptions::default()).unwrap()
@@ -714,6 +714,36 @@ fn writers_of_one_store_take_turns_and_all_succeed() {
     });
     let total: u64 = store.count_by_status().unwrap().iter().map(|c| c.1).sum();
     assert_eq!(total, (THREADS * WRITES) as u64);
+}
+
+/// A writer asleep on the turn is woken when the turn is handed back, not
+/// left to its timeout: the hand-back wakes a thread only when one waits
+/// (it counts them), and this one does.
+#[test]
+fn a_returned_turn_wakes_the_writer_that_waits_for_it() {
+    const PATIENCE: Duration = Duration::from_secs(30);
+    let turns = Arc::new(Turns::default());
+    let held = turns.take(PATIENCE).unwrap();
+    thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let started = Instant::now();
+            let turn = turns.take(PATIENCE);
+            (turn.is_some(), started.elapsed())
+        });
+        // Hand the turn back once the waiter is asleep on it.
+        while turns.state.lock().unwrap().waiting == 0 {
+            thread::yield_now();
+        }
+        drop(held);
+        let (got, waited) = waiter.join().unwrap();
+        assert!(got, "the waiter never got the turn");
+        assert!(
+            waited < PATIENCE / 2,
+            "the waiter slept {waited:?}: it was not woken"
+        );
+    });
+    assert_eq!(turns.state.lock().unwrap().waiting, 0);
+    assert!(!turns.state.lock().unwrap().busy);
 }
 
 /// A write that cannot get its turn within the busy timeout (another write
