@@ -215,14 +215,12 @@ impl Guard {
     /// the memory limiter, the epoch deadline and a call hook that measures
     /// every host call, whoever defined the import (WASI, `wasi:http`).
     pub fn install<T: Send + 'static>(store: &mut Store<T>, guard: fn(&mut T) -> &mut Guard) {
-        store.limiter(move |data| guard(data));
-        store
-            .epoch_deadline_callback(move |mut ctx| guard(ctx.data_mut()).on_epoch(Duration::ZERO));
+        // Nothing counted by the imports: the hook measures every host call.
+        Guard::install_counted(store, guard, |_| Duration::ZERO);
         store.call_hook(move |mut ctx, hook| {
             guard(ctx.data_mut()).on_call(hook);
             Ok(())
         });
-        Guard::start(store, guard);
     }
 
     /// As [`Guard::install`], for a store whose every import measures its
