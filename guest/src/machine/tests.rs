@@ -3848,6 +3848,40 @@ fn a_remembered_claim_that_changed_since_is_refused_by_the_swap_and_read_again()
     assert_eq!(env.record(&k), fresh);
 }
 
+/// Keys that share their idempotency key but not their scope or biz type
+/// are different keys to the remembered claims too: each is remembered,
+/// and each owner swaps its own record without reading.
+#[test]
+fn remembered_claims_tell_keys_apart_by_every_part() {
+    let p = policy();
+    let env = Fake::instances(1);
+    let keys = [
+        key("same"),
+        RecordKey {
+            scope: "tenant-2".into(),
+            ..key("same")
+        },
+        RecordKey {
+            biz_type: "refund".into(),
+            ..key("same")
+        },
+    ];
+    let tickets: Vec<Ticket> = keys.iter().map(|k| start(&env, k, &p)).collect();
+    assert_eq!(env.instances[0].len(), keys.len());
+    env.clear_calls();
+    for (i, t) in tickets.iter().enumerate() {
+        assert_eq!(
+            complete(&env, t, &p, &success(&format!("r-{i}"))),
+            Ok(Completion::Recorded(Status::Succeeded))
+        );
+    }
+    assert_eq!(env.calls(), vec![Op::Cas; keys.len()]);
+    for (i, k) in keys.iter().enumerate() {
+        let rec = env.record(k).expect("stored");
+        assert_eq!(rec.result_ref.as_deref(), Some(format!("r-{i}").as_str()));
+    }
+}
+
 #[test]
 fn an_instance_remembers_a_bounded_number_of_claims_and_the_oldest_read_again() {
     use crate::owned::REMEMBERED_CLAIMS;

@@ -193,6 +193,60 @@ fn default_loaded() -> Result<Loaded, Error> {
 struct Instance {
     store: wasmtime::Store<HostState>,
     idem: bindings::Idem,
+    /// This instance's number in its engine, for [`Pool::claimed_on`].
+    serial: u64,
+}
+
+/// How many claims the pool remembers the instance of
+/// ([`Pool::claimed_on`]) before it forgets them all. An entry leaves when
+/// its owner writes; only the claims of owners that never write again (a
+/// client gone for good, a handler that crashed) stay, so the map
+/// reaching this size means those piled up. Forgetting is always safe: it
+/// costs each claim still running one read of its record when its owner
+/// writes, which is what every owner's write paid before the pool
+/// remembered anything. 4096 is far above the calls in flight of a busy
+/// server (hundreds) and a few tens of kilobytes.
+const CLAIMS_REMEMBERED_BY_POOL: usize = 4096;
+
+/// The idle instances of an engine, and which instance claimed each
+/// record still being run.
+#[derive(Default)]
+struct Pool {
+    /// Idle instances, reused across calls, the most recently used last;
+    /// an instance that trapped is never put back.
+    idle: Vec<Instance>,
+    /// Record id → serial of the instance whose call last wrote the record
+    /// as its owner (`begin` that answered `execute`, `extend`). That
+    /// instance's guest remembers the record it wrote, so the owner's next
+    /// write (`complete`, `fail`, `extend`) run on it swaps without reading
+    /// the record back first; run on any other instance, it reads. Only a
+    /// preference, never a decision: the guest's swap checks the record's
+    /// id and revision either way (the guest's `owned` module).
+    claimed_on: std::collections::HashMap<u64, u64>,
+}
+
+impl Pool {
+    /// An idle instance: the one `record` was claimed on when it is idle,
+    /// else the most recently used.
+    fn take(&mut self, record: Option<u64>) -> Option<Instance> {
+        if let Some(serial) = record.and_then(|id| self.claimed_on.remove(&id))
+            && let Some(at) = self.idle.iter().position(|i| i.serial == serial)
+        {
+            return Some(self.idle.remove(at));
+        }
+        self.idle.pop()
+    }
+
+    /// Puts `inst` back, noting that it claimed `record`.
+    fn give_back(&mut self, inst: Instance, record: Option<u64>) {
+        if let Some(id) = record {
+            if self.claimed_on.len() >= CLAIMS_REMEMBERED_BY_POOL {
+                self.claimed_on.clear();
+            }
+            self.claimed_on.insert(id, inst.serial);
+        }
+        self.idle.push(inst);
+    }
 }
 
 struct Shared {
@@ -204,9 +258,10 @@ struct Shared {
     /// Whether a result lookup was registered ([`EngineBuilder::results`]).
     has_lookup: bool,
     bounds: GuestBounds,
-    /// Idle instances, reused across calls; an instance that trapped is
-    /// never put back.
-    idle: Mutex<Vec<Instance>>,
+    /// Idle instances, and where records were claimed.
+    pool: Mutex<Pool>,
+    /// The number the next new instance gets.
+    next_serial: std::sync::atomic::AtomicU64,
 }
 
 /// Builds an [`Engine`].
@@ -308,7 +363,8 @@ impl EngineBuilder {
                     deadline: self.guest_deadline,
                     memory_bytes: self.memory_limit,
                 },
-                idle: Mutex::new(Vec::new()),
+                pool: Mutex::new(Pool::default()),
+                next_serial: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -441,13 +497,17 @@ impl Engine {
             .collect()
     }
 
-    fn instance(&self) -> Result<Instance, Error> {
-        let idle = self
-            .shared
-            .idle
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.shared
+            .pool
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .pop();
+    }
+
+    /// An idle instance, preferring the one `record` was claimed on; a
+    /// new one when none is idle.
+    fn instance(&self, record: Option<u64>) -> Result<Instance, Error> {
+        let idle = self.pool().take(record);
         if let Some(inst) = idle {
             return Ok(inst);
         }
@@ -467,7 +527,15 @@ impl Engine {
             .pre
             .instantiate(&mut store)
             .map_err(|e| guest_error(&e, "instantiation failed: "))?;
-        Ok(Instance { store, idem })
+        let serial = self
+            .shared
+            .next_serial
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Instance {
+            store,
+            idem,
+            serial,
+        })
     }
 
     /// Runs one export call on an idle instance, with `storage` in place of
@@ -480,7 +548,24 @@ impl Engine {
             &mut wasmtime::Store<HostState>,
         ) -> wasmtime::Result<Result<R, wit_engine::EngineError>>,
     ) -> Result<R, Error> {
-        let mut inst = self.instance()?;
+        self.owner_call(storage, None, f, |_| None)
+    }
+
+    /// [`Engine::call`] for a call that may write a record as its owner:
+    /// it runs on the instance that claimed `record` when that one is idle
+    /// (see [`Pool::claimed_on`]), and `claimed` names the record its
+    /// answer says this instance now owns.
+    fn owner_call<R>(
+        &self,
+        storage: Option<Arc<dyn Storage>>,
+        record: Option<u64>,
+        f: impl FnOnce(
+            &wit_engine::Guest,
+            &mut wasmtime::Store<HostState>,
+        ) -> wasmtime::Result<Result<R, wit_engine::EngineError>>,
+        claimed: impl FnOnce(&R) -> Option<u64>,
+    ) -> Result<R, Error> {
+        let mut inst = self.instance(record)?;
         if let Some(storage) = storage {
             inst.store.data_mut().ctx.storage = storage;
         }
@@ -490,11 +575,8 @@ impl Engine {
         inst.store.data_mut().ctx.storage = self.shared.ctx.storage.clone();
         match outcome {
             Ok(answer) => {
-                self.shared
-                    .idle
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .push(inst);
+                let owns = answer.as_ref().ok().and_then(claimed);
+                self.pool().give_back(inst, owns);
                 answer.map_err(Error::from)
             }
             Err(trap) => Err(guest_error(&trap, "")),
@@ -512,8 +594,16 @@ impl Engine {
         request: &BeginRequest,
     ) -> Result<Decision, Error> {
         let request: wit_engine::BeginRequest = request.clone().conv();
-        self.call(storage, |g, s| g.call_begin(s, &request))
-            .map(Conv::conv)
+        self.owner_call(
+            storage,
+            None,
+            |g, s| g.call_begin(s, &request),
+            |decision| match decision {
+                wit_engine::Decision::Execute(t) => Some(t.record_id),
+                _ => None,
+            },
+        )
+        .map(Conv::conv)
     }
 
     /// Stores the success of the action owned by `ticket`.
@@ -538,8 +628,14 @@ impl Engine {
             policy.clone().conv(),
             success.clone().conv(),
         );
-        self.call(storage, |g, st| g.call_complete(st, &t, &p, &s))
-            .map(Conv::conv)
+        let record = Some(t.record_id);
+        self.owner_call(
+            storage,
+            record,
+            |g, st| g.call_complete(st, &t, &p, &s),
+            |_| None,
+        )
+        .map(Conv::conv)
     }
 
     /// Stores the failure of the action owned by `ticket`.
@@ -567,15 +663,30 @@ impl Engine {
             failure.clone().conv(),
             disposition.conv(),
         );
-        self.call(storage, |g, st| g.call_fail(st, &t, &p, &f, d))
-            .map(Conv::conv)
+        let record = Some(t.record_id);
+        self.owner_call(
+            storage,
+            record,
+            |g, st| g.call_fail(st, &t, &p, &f, d),
+            |_| None,
+        )
+        .map(Conv::conv)
     }
 
     /// Extends the lease of `ticket` (a heartbeat).
     pub fn extend(&self, ticket: &Ticket, policy: &Policy) -> Result<Extension, Error> {
         let (t, p) = (ticket.clone().conv(), policy.clone().conv());
-        self.call(None, |g, st| g.call_extend(st, &t, &p))
-            .map(Conv::conv)
+        let record = Some(t.record_id);
+        self.owner_call(
+            None,
+            record,
+            |g, st| g.call_extend(st, &t, &p),
+            |extension| match extension {
+                wit_engine::Extension::Extended(_) => record,
+                _ => None,
+            },
+        )
+        .map(Conv::conv)
     }
 
     /// Whether a result lookup is registered ([`EngineBuilder::results`]).
@@ -993,3 +1104,6 @@ pub enum BatchErrors {
     /// Roll the whole transaction back and return the error.
     AbortBatch,
 }
+
+#[cfg(test)]
+mod pool_tests;
